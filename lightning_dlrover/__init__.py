@@ -1,0 +1,10 @@
+"""lightning-dlrover: fault-tolerant, self-tuning training of TorchRec DLRMs in PyTorch Lightning."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_dlrover.strategy import DLRoverStrategy, TableConstraint
+
+DLRoverStrategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+__all__ = ["DLRoverStrategy", "TableConstraint", "__version__"]

@@ -1,0 +1,70 @@
+"""Sharded checkpoint backends: every rank writes its own shards, and loads into any sharding layout.
+
+A backend saves and loads a nested ``dict`` whose leaves are tensors or ``ShardedTensor``s; it is
+called on every rank at once (a collective). Loading is in place: the caller passes a dict shaped like
+the one saved, holding the live tensors of the current (possibly different) sharding plan.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+
+class CheckpointBackend(ABC):
+    """Saves and loads the sharded part of a training state."""
+
+    name: str
+
+    @abstractmethod
+    def save(self, state: dict[str, Any], path: Path) -> None:
+        """Writes ``state`` under the directory ``path`` (collective)."""
+
+    @abstractmethod
+    def load(self, state: dict[str, Any], path: Path) -> None:
+        """Fills the tensors of ``state`` in place from the checkpoint in ``path`` (collective)."""
+
+
+class DCPBackend(CheckpointBackend):
+    """``torch.distributed.checkpoint``: one file per rank plus a global metadata file."""
+
+    name = "dcp"
+
+    def save(self, state: dict[str, Any], path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, checkpoint_id=str(path))
+
+    def load(self, state: dict[str, Any], path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(state, checkpoint_id=str(path))
+
+
+class TorchSnapshotBackend(CheckpointBackend):
+    """``torchsnapshot`` (last released 2022): chunked per-shard files with a manifest."""
+
+    name = "torchsnapshot"
+
+    def save(self, state: dict[str, Any], path: Path) -> None:
+        from torchsnapshot import Snapshot, StateDict
+
+        Snapshot.take(str(path), app_state={"state": StateDict(state)}, replicated=[])
+
+    def load(self, state: dict[str, Any], path: Path) -> None:
+        from torchsnapshot import Snapshot, StateDict
+
+        holder = StateDict(state)
+        Snapshot(str(path)).restore(app_state={"state": holder})
+        state.update(holder.data)
+
+
+BACKENDS: dict[str, type[CheckpointBackend]] = {b.name: b for b in (DCPBackend, TorchSnapshotBackend)}
+
+
+def get_backend(name: str) -> CheckpointBackend:
+    """The backend called ``name``; raises a ``ValueError`` listing the choices otherwise."""
+    if name not in BACKENDS:
+        raise ValueError(f"strategy.checkpoint_backend={name!r} is not one of {sorted(BACKENDS)}.")
+    return BACKENDS[name]()

@@ -1,0 +1,5 @@
+"""Recommendation models trained by the strategy."""
+
+from lightning_dlrover.models.dlrm import DLRMModule
+
+__all__ = ["DLRMModule"]

@@ -1,0 +1,259 @@
+"""``DLRoverStrategy``: Lightning training of TorchRec-sharded models.
+
+The LightningModule is wrapped in TorchRec's ``DistributedModelParallel``: embedding tables are
+sharded by TorchRec's planner and updated by fused in-backward optimizers, every other parameter is
+replicated and synchronised by DDP. Checkpoints are sharded (every rank writes its own shards) and
+load into any world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.constants import default_pg_timeout
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.types import ShardingEnv
+from torchrec.optim.keyed import KeyedOptimizer
+
+from lightning_dlrover.checkpoint import get_backend, state_digest
+from lightning_dlrover.strategy.sharding import (
+    COMPUTE_KERNELS,
+    CPU_DEFAULT_SHARDING_TYPES,
+    SHARDING_TYPES,
+    TableConstraint,
+    build_constraints,
+    check_choices,
+    describe_plan,
+    embedding_tables,
+    plan_sharding,
+    unfused_embedding_parameters,
+)
+
+log = logging.getLogger(__name__)
+META_FILE = "meta.pt"
+SHARDED_DIR = "sharded"
+
+
+class DLRoverStrategy(DDPStrategy):
+    """Trains a LightningModule whose embedding tables are sharded by TorchRec.
+
+    Args:
+        sharding_types: sharding types the planner may use for every table. Default: on CPU (gloo)
+            ``table_wise``, ``column_wise`` and ``table_column_wise``; on GPU every type.
+        compute_kernel: TorchRec compute kernel of sharded tables (``fused`` applies the tables'
+            in-backward optimizer inside the kernel).
+        constraints: per-table planner constraints, keyed by table name.
+        checkpoint_backend: ``"dcp"`` (``torch.distributed.checkpoint``) or ``"torchsnapshot"``.
+        print_digest: at the end of ``fit``, print ``state digest: <sha256>`` of the whole training state
+            on rank 0 (a collective over all shards; costs one pass over the state).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend, timeout, start_method: as in :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        **ddp_kwargs: passed to the ``DistributedDataParallel`` that wraps the dense parameters.
+    """
+
+    strategy_name = "dlrover"
+
+    def __init__(
+        self,
+        sharding_types: list[str] | None = None,
+        compute_kernel: str = "fused",
+        constraints: dict[str, TableConstraint] | None = None,
+        checkpoint_backend: Literal["dcp", "torchsnapshot"] = "dcp",
+        print_digest: bool = True,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **ddp_kwargs,
+        )
+        check_choices("sharding_types", sharding_types, SHARDING_TYPES)
+        check_choices("compute_kernel", [compute_kernel], COMPUTE_KERNELS)
+        for table, constraint in (constraints or {}).items():
+            if isinstance(constraint, dict):
+                constraint = TableConstraint(**constraint)
+            check_choices(f"constraints.{table}.sharding_types", constraint.sharding_types, SHARDING_TYPES)
+            check_choices(f"constraints.{table}.compute_kernels", constraint.compute_kernels, COMPUTE_KERNELS)
+        self.sharding_types = sharding_types
+        self.compute_kernel = compute_kernel
+        self.constraints = {
+            table: TableConstraint(**c) if isinstance(c, dict) else c for table, c in (constraints or {}).items()
+        }
+        self.checkpoint_backend = get_backend(checkpoint_backend)
+        self.print_digest = print_digest
+        self._dmp: DistributedModelParallel | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Registers ``"dlrover"`` so that ``Trainer(strategy="dlrover")`` works."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="TorchRec-sharded embeddings with DLRover fault tolerance"
+            )
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the sharded model, so they are restored after :meth:`setup`."""
+        return True
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        """The in-backward optimizer of every sharded table (state as ``ShardedTensor`` views of live buffers)."""
+        if self._dmp is None:
+            raise RuntimeError("The model is not sharded yet: the fused optimizer exists after `Trainer.fit` set-up.")
+        return self._dmp.fused_optimizer
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Shards the model, then sets up the dense optimizers and precision."""
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported by "
+                "DLRoverStrategy: fused embedding optimizers update the tables in every backward pass. "
+                "Increase the data module's batch size instead."
+            )
+        self.precision_plugin.convert_module(self.model)
+        self.model = self._dmp if self._dmp is not None else self._shard(self.lightning_module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _shard(self, module: pl.LightningModule) -> DistributedModelParallel:
+        """Plans the sharding of ``module``'s embedding tables and wraps it in ``DistributedModelParallel``."""
+        tables = embedding_tables(module)
+        if not tables:
+            raise ValueError(
+                f"{type(module).__name__} has no TorchRec EmbeddingBagCollection or EmbeddingCollection; "
+                "DLRoverStrategy shards those. Use `strategy='ddp'` for models without embedding tables."
+            )
+        if self.compute_kernel == "fused" and (unfused := unfused_embedding_parameters(module)):
+            raise ValueError(
+                f"Embedding parameters {unfused} have no in-backward optimizer, which the fused kernel needs. "
+                "Call torchrec.optim.apply_optimizer_in_backward(...) on them in the LightningModule's __init__."
+            )
+        backend = dist.get_backend()
+        default_types = CPU_DEFAULT_SHARDING_TYPES if backend == "gloo" else None
+        constraints = build_constraints(
+            tables,
+            self.sharding_types or default_types or SHARDING_TYPES,
+            self.compute_kernel,
+            self.constraints,
+            backend,
+        )
+        # Dense parameters move to the device now; meta-device tables are materialised by their shards.
+        module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
+        plan = plan_sharding(module, constraints, self.root_device, local_world_size=self.num_processes)
+        self._dmp = DistributedModelParallel(
+            module=module,
+            env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+            device=self.root_device,
+            plan=plan,
+        )
+        rank_zero_info(f"DLRoverStrategy: {describe_plan(plan)}")
+        return self._dmp
+
+    def training_state(self) -> dict[str, Any]:
+        """The full training state: model (sharded tables as ``ShardedTensor``), fused and dense optimizer state."""
+        return {
+            "model": self.lightning_module.state_dict(),
+            "fused_optimizer": self.fused_optimizer.state_dict()["state"],
+            "optimizers": [optimizer.state_dict()["state"] for optimizer in self.optimizers],
+        }
+
+    def state_digest(self) -> str:
+        """SHA-256 of :meth:`training_state`, independent of the sharding plan and world size (collective)."""
+        return state_digest(self.training_state())
+
+    def on_train_end(self) -> None:
+        """Prints the state digest on rank 0 when ``print_digest`` is set."""
+        if self.print_digest and self._dmp is not None:
+            digest = self.state_digest()
+            if self.is_global_zero:
+                print(f"state digest: {digest}", flush=True)
+            log.info("state digest: %s", digest)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Writes a sharded checkpoint directory at ``filepath`` from every rank (collective).
+
+        The directory holds ``sharded/`` (the model and fused optimizer state, written by the backend, each
+        rank its own shards) and ``meta.pt`` (everything else, written by rank 0). It is written under a
+        temporary name and renamed when complete, so a crash never leaves a partial checkpoint at ``filepath``.
+        """
+        if storage_options is not None:
+            raise TypeError("DLRoverStrategy.save_checkpoint does not take storage_options.")
+        path = Path(self.broadcast(str(filepath)))
+        staging = path.with_name(path.name + ".partial")
+        if self.is_global_zero and staging.exists():
+            shutil.rmtree(staging)
+        self.barrier("dlrover_checkpoint_staging")
+        sharded = {"model": checkpoint.pop("state_dict"), "fused_optimizer": self.fused_optimizer.state_dict()}
+        self.checkpoint_backend.save(sharded, staging / SHARDED_DIR)
+        if self.is_global_zero:
+            torch.save({**checkpoint, "dlrover_backend": self.checkpoint_backend.name}, staging / META_FILE)
+        self.barrier("dlrover_checkpoint_written")
+        if self.is_global_zero:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+            staging.rename(path)
+        self.barrier("dlrover_checkpoint_committed")
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Loads a checkpoint of :meth:`save_checkpoint` into the current sharding, on any world size."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not (path / META_FILE).is_file():
+            raise FileNotFoundError(
+                f"{path} is not a DLRoverStrategy checkpoint (no {META_FILE} inside); checkpoints of this strategy "
+                "are directories written by Trainer.save_checkpoint or ModelCheckpoint."
+            )
+        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+        sharded = {"model": self.lightning_module.state_dict(), "fused_optimizer": self.fused_optimizer.state_dict()}
+        get_backend(meta.pop("dlrover_backend")).load(sharded, path / SHARDED_DIR)
+        self.lightning_module.load_state_dict(sharded["model"], strict=self.lightning_module.strict_loading)
+        self.fused_optimizer.load_state_dict(sharded["fused_optimizer"])
+        return meta
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """No-op: :meth:`load_checkpoint` already loaded the sharded model."""
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Removes a checkpoint directory (rank 0)."""
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    def teardown(self) -> None:
+        """Releases the accelerator; the model stays sharded for later ``validate``/``test`` calls."""
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()

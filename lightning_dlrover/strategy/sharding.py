@@ -1,0 +1,132 @@
+"""How the strategy asks TorchRec's planner to shard a model's embedding tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+SHARDING_TYPES = [t.value for t in ShardingType]
+COMPUTE_KERNELS = [k.value for k in EmbeddingComputeKernel]
+# gloo has no reduce-scatter, which these sharding types need in their backward pass.
+NEEDS_REDUCE_SCATTER = {"row_wise", "table_row_wise", "grid_shard"}
+CPU_DEFAULT_SHARDING_TYPES = ["table_wise", "column_wise", "table_column_wise"]
+
+
+@dataclass
+class TableConstraint:
+    """Per-table limits on the planner (``DLRoverStrategy(constraints={"t_cat_0": TableConstraint(...)})``).
+
+    Args:
+        sharding_types: sharding types the planner may choose for this table.
+        compute_kernels: compute kernels it may choose (``fused`` keeps the optimizer in the backward pass).
+        min_partition: smallest column shard for column-wise sharding.
+    """
+
+    sharding_types: list[str] | None = None
+    compute_kernels: list[str] | None = None
+    min_partition: int | None = None
+
+
+def check_choices(field: str, values: list[str] | None, allowed: list[str]) -> None:
+    """Raises a ``ValueError`` naming ``field`` if a value is not one of ``allowed``."""
+    for value in values or []:
+        if value not in allowed:
+            raise ValueError(f"strategy.{field}: {value!r} is not one of {allowed}.")
+
+
+def embedding_tables(module: nn.Module) -> dict[str, str]:
+    """Maps every embedding table name in ``module`` to the path of the collection that holds it."""
+    tables: dict[str, str] = {}
+    for path, child in module.named_modules():
+        if isinstance(child, EmbeddingBagCollection):
+            configs = child.embedding_bag_configs()
+        elif isinstance(child, EmbeddingCollection):
+            configs = child.embedding_configs()
+        else:
+            continue
+        for config in configs:
+            tables[config.name] = path
+    return tables
+
+
+def unfused_embedding_parameters(module: nn.Module) -> list[str]:
+    """Names of embedding parameters that have no TorchRec in-backward optimizer."""
+    return [
+        f"{path}.{name}"
+        for path, child in module.named_modules()
+        if isinstance(child, (EmbeddingBagCollection, EmbeddingCollection))
+        for name, param in child.named_parameters()
+        if not getattr(param, "_in_backward_optimizers", None)
+    ]
+
+
+def build_constraints(
+    tables: dict[str, str],
+    sharding_types: list[str],
+    compute_kernel: str,
+    overrides: dict[str, TableConstraint],
+    backend: str,
+) -> dict[str, ParameterConstraints]:
+    """Planner constraints for every table: the strategy-wide choices, refined by per-table overrides."""
+    unknown = sorted(set(overrides) - set(tables))
+    if unknown:
+        raise ValueError(
+            f"strategy.constraints names table(s) {unknown} that the model does not have; "
+            f"its tables are {sorted(tables)}."
+        )
+    constraints = {}
+    for table in tables:
+        override = overrides.get(table, TableConstraint())
+        types = override.sharding_types or sharding_types
+        if backend == "gloo" and NEEDS_REDUCE_SCATTER & set(types):
+            raise ValueError(
+                f"strategy sharding types for table {table!r} include {sorted(NEEDS_REDUCE_SCATTER & set(types))}, "
+                f"which need reduce-scatter; the gloo backend (CPU) has none. Use {CPU_DEFAULT_SHARDING_TYPES} "
+                "or 'data_parallel' on CPU."
+            )
+        kernels = override.compute_kernels or [compute_kernel]
+        if "data_parallel" in types and "dense" not in kernels:
+            kernels = [*kernels, "dense"]  # data-parallel tables only run the dense kernel
+        constraints[table] = ParameterConstraints(
+            sharding_types=types, compute_kernels=kernels, min_partition=override.min_partition
+        )
+    return constraints
+
+
+def plan_sharding(
+    module: nn.Module,
+    constraints: dict[str, ParameterConstraints],
+    device: torch.device,
+    local_world_size: int,
+    sharders: list[ModuleSharder[nn.Module]] | None = None,
+) -> ShardingPlan:
+    """Runs TorchRec's planner on rank 0 and shares the plan with every rank (a collective)."""
+    world_size = dist.get_world_size()
+    topology = Topology(world_size=world_size, compute_device=device.type, local_world_size=local_world_size)
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+    try:
+        return planner.collective_plan(module, sharders or get_default_sharders(), dist.GroupMember.WORLD)
+    except Exception as err:
+        raise RuntimeError(
+            f"TorchRec's planner found no sharding plan for world size {world_size} on {device.type} "
+            f"with constraints {constraints}: {err}. Relax strategy.sharding_types/constraints or change "
+            "the number of devices."
+        ) from err
+
+
+def describe_plan(plan: ShardingPlan) -> str:
+    """One line per sharding type: ``table_wise: t_cat_0@0, t_cat_1@1`` (table @ ranks)."""
+    by_type: dict[str, list[str]] = {}
+    for module_plan in plan.plan.values():
+        for table, sharding in module_plan.items():  # type: ignore[union-attr]
+            ranks = ",".join(str(r) for r in sorted(set(sharding.ranks or [])))
+            by_type.setdefault(sharding.sharding_type, []).append(f"{table}@{ranks}")
+    return "; ".join(f"{kind}: {' '.join(tables)}" for kind, tables in sorted(by_type.items()))
