@@ -2,9 +2,10 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dlrover.monitor import StateDigest, ThroughputMonitor
 from lightning_dlrover.strategy import DLRoverStrategy, TableConstraint
 
 DLRoverStrategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
-__all__ = ["DLRoverStrategy", "TableConstraint", "__version__"]
+__all__ = ["DLRoverStrategy", "StateDigest", "TableConstraint", "ThroughputMonitor", "__version__"]

@@ -16,6 +16,8 @@ class CheckpointBackend(ABC):
     """Saves and loads the sharded part of a training state."""
 
     name: str
+    #: Whether ``load`` fills the shards of ranks that did not exist when the checkpoint was written.
+    restores_onto_new_ranks: bool = True
 
     @abstractmethod
     def save(self, state: dict[str, Any], path: Path) -> None:
@@ -46,18 +48,21 @@ class TorchSnapshotBackend(CheckpointBackend):
     """``torchsnapshot`` (last released 2022): chunked per-shard files with a manifest."""
 
     name = "torchsnapshot"
+    # torchsnapshot 0.1.0 gives a rank beyond the saved world size only replicated entries (measured).
+    restores_onto_new_ranks = False
 
     def save(self, state: dict[str, Any], path: Path) -> None:
         from torchsnapshot import Snapshot, StateDict
 
-        Snapshot.take(str(path), app_state={"state": StateDict(state)}, replicated=[])
+        # Tensors that are not sharded are replicated (dense parameters): stored once, readable by any rank.
+        Snapshot.take(str(path), app_state={"state": StateDict(state)}, replicated=["**"])
 
     def load(self, state: dict[str, Any], path: Path) -> None:
         from torchsnapshot import Snapshot, StateDict
 
-        holder = StateDict(state)
-        Snapshot(str(path)).restore(app_state={"state": holder})
-        state.update(holder.data)
+        # Tensors are restored in place; the dict torchsnapshot hands back omits sharded entries on ranks
+        # that did not exist when the snapshot was taken, so it is not used.
+        Snapshot(str(path)).restore(app_state={"state": StateDict(dict(state))})
 
 
 BACKENDS: dict[str, type[CheckpointBackend]] = {b.name: b for b in (DCPBackend, TorchSnapshotBackend)}

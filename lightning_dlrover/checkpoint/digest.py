@@ -16,19 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from lightning_dlrover.checkpoint.sharded import flatten
+
 BLOCK_BYTES = 16 << 20
-
-
-def flatten(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Yields ``(path, leaf)`` for every leaf of nested dicts and lists, paths joined with ``/``."""
-    if isinstance(state, Mapping):
-        for key, value in state.items():
-            yield from flatten(value, f"{prefix}{key}/")
-    elif isinstance(state, (list, tuple)):
-        for index, value in enumerate(state):
-            yield from flatten(value, f"{prefix}{index}/")
-    else:
-        yield prefix.rstrip("/"), state
 
 
 def _describe(leaf: Any) -> tuple[Any, ...]:

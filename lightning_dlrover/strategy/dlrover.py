@@ -29,7 +29,7 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.keyed import KeyedOptimizer
 
-from lightning_dlrover.checkpoint import get_backend, state_digest
+from lightning_dlrover.checkpoint import complete_sharded_state, get_backend, state_digest
 from lightning_dlrover.strategy.sharding import (
     COMPUTE_KERNELS,
     CPU_DEFAULT_SHARDING_TYPES,
@@ -181,6 +181,10 @@ class DLRoverStrategy(DDPStrategy):
         rank_zero_info(f"DLRoverStrategy: {describe_plan(plan)}")
         return self._dmp
 
+    def _fused_optimizer_state(self) -> dict[str, Any]:
+        """The fused optimizer's state (not its hyper-parameters, which come from the model), keyed alike on every rank."""
+        return complete_sharded_state(self.fused_optimizer.state_dict()["state"])
+
     def training_state(self) -> dict[str, Any]:
         """The full training state: model (sharded tables as ``ShardedTensor``), fused and dense optimizer state."""
         return {
@@ -215,10 +219,11 @@ class DLRoverStrategy(DDPStrategy):
         if self.is_global_zero and staging.exists():
             shutil.rmtree(staging)
         self.barrier("dlrover_checkpoint_staging")
-        sharded = {"model": checkpoint.pop("state_dict"), "fused_optimizer": self.fused_optimizer.state_dict()}
+        sharded = {"model": checkpoint.pop("state_dict"), "fused_optimizer": self._fused_optimizer_state()}
         self.checkpoint_backend.save(sharded, staging / SHARDED_DIR)
         if self.is_global_zero:
-            torch.save({**checkpoint, "dlrover_backend": self.checkpoint_backend.name}, staging / META_FILE)
+            extra = {"dlrover_backend": self.checkpoint_backend.name, "dlrover_world_size": self.world_size}
+            torch.save({**checkpoint, **extra}, staging / META_FILE)
         self.barrier("dlrover_checkpoint_written")
         if self.is_global_zero:
             if path.is_dir():
@@ -237,10 +242,18 @@ class DLRoverStrategy(DDPStrategy):
                 "are directories written by Trainer.save_checkpoint or ModelCheckpoint."
             )
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        sharded = {"model": self.lightning_module.state_dict(), "fused_optimizer": self.fused_optimizer.state_dict()}
-        get_backend(meta.pop("dlrover_backend")).load(sharded, path / SHARDED_DIR)
+        backend, saved_world_size = get_backend(meta.pop("dlrover_backend")), meta.pop("dlrover_world_size")
+        if self.world_size > saved_world_size and not backend.restores_onto_new_ranks:
+            raise RuntimeError(
+                f"{path} was written by the {backend.name!r} backend at world size {saved_world_size}; it cannot "
+                f"restore shards onto the new ranks of world size {self.world_size}. Resume at world size "
+                f"<= {saved_world_size} or write checkpoints with DLRoverStrategy(checkpoint_backend='dcp')."
+            )
+        sharded = {"model": self.lightning_module.state_dict(), "fused_optimizer": self._fused_optimizer_state()}
+        backend.load(sharded, path / SHARDED_DIR)
         self.lightning_module.load_state_dict(sharded["model"], strict=self.lightning_module.strict_loading)
-        self.fused_optimizer.load_state_dict(sharded["fused_optimizer"])
+        loaded = sharded["fused_optimizer"]
+        self.fused_optimizer.load_state_dict({"state": {k: loaded[k] for k in self.fused_optimizer.state_dict()["state"]}})
         return meta
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.constants import BATCH_SIZE
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -101,6 +103,20 @@ def build_constraints(
     return constraints
 
 
+class OrderedEnumerator(EmbeddingEnumerator):
+    """TorchRec's enumerator with options kept in a fixed order.
+
+    TorchRec intersects sharding types and kernels as Python sets, so when two options cost the same the
+    plan depends on the process's string-hash seed; sorting makes the same job always get the same plan.
+    """
+
+    def _filter_sharding_types(self, name: str, allowed_sharding_types: list[str], sharder_key: str = "") -> list[str]:
+        return sorted(super()._filter_sharding_types(name, allowed_sharding_types, sharder_key))
+
+    def _filter_compute_kernels(self, name: str, allowed_compute_kernels: list[str], sharding_type: str) -> list[str]:
+        return sorted(super()._filter_compute_kernels(name, allowed_compute_kernels, sharding_type))
+
+
 def plan_sharding(
     module: nn.Module,
     constraints: dict[str, ParameterConstraints],
@@ -111,7 +127,8 @@ def plan_sharding(
     """Runs TorchRec's planner on rank 0 and shares the plan with every rank (a collective)."""
     world_size = dist.get_world_size()
     topology = Topology(world_size=world_size, compute_device=device.type, local_world_size=local_world_size)
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+    enumerator = OrderedEnumerator(topology=topology, batch_size=BATCH_SIZE, constraints=constraints)
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, enumerator=enumerator)
     try:
         return planner.collective_plan(module, sharders or get_default_sharders(), dist.GroupMember.WORLD)
     except Exception as err:

@@ -1,0 +1,3 @@
+from lightning_dlrover.cli import main
+
+main()

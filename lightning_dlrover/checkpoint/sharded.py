@@ -1,0 +1,44 @@
+"""Helpers for nested state dicts holding ``ShardedTensor``s."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+
+def flatten(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Yields ``(path, leaf)`` for every leaf of nested dicts and lists, paths joined with ``/``."""
+    if isinstance(state, Mapping):
+        for key, value in state.items():
+            yield from flatten(value, f"{prefix}{key}/")
+    elif isinstance(state, (list, tuple)):
+        for index, value in enumerate(state):
+            yield from flatten(value, f"{prefix}{index}/")
+    else:
+        yield prefix.rstrip("/"), state
+
+
+def complete_sharded_state(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Gives every rank every ``ShardedTensor`` of a two-level dict (a collective).
+
+    TorchRec's fused optimizer lists only the state of tables with a shard on the calling rank, while
+    checkpoint backends expect the same keys on every rank. Missing entries are added as
+    ``ShardedTensor``s with the global metadata and no local shard; present ones are returned as is.
+    """
+    local = {
+        (outer, inner): value.metadata()
+        for outer, entries in state.items()
+        for inner, value in entries.items()
+        if isinstance(value, ShardedTensor)
+    }
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, local)
+    complete = {outer: dict(entries) for outer, entries in state.items()}
+    for metadata_by_key in gathered:
+        for (outer, inner), metadata in metadata_by_key.items():
+            if inner not in complete.setdefault(outer, {}):
+                complete[outer][inner] = ShardedTensor._init_from_local_shards_and_global_metadata([], metadata)
+    return complete

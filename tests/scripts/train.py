@@ -1,0 +1,68 @@
+"""A seeded DLRM run under DLRoverStrategy, launched by the tests as a real multi-process job.
+
+Prints ``state digest: <hex>`` at the end of fit (rank 0). Lightning's launcher re-runs this script
+for every rank, so it must stay importable as a plain script.
+"""
+
+import argparse
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_dlrover import DLRoverStrategy, StateDigest, TableConstraint, ThroughputMonitor
+from lightning_dlrover.data import DLRMDataModule
+from lightning_dlrover.models import DLRMModule
+
+SIZES = [300 + 37 * i for i in range(26)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--sharding-types", nargs="+", default=["table_wise"])
+    parser.add_argument("--min-partition", type=int, default=None)
+    parser.add_argument("--backend", default="dcp")
+    parser.add_argument("--ckpt-dir", default=None)
+    parser.add_argument("--ckpt-every", type=int, default=0)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--batch", type=int, default=96)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--monitor", action="store_true")
+    args = parser.parse_args()
+
+    pl.seed_everything(args.seed)
+    constraints = (
+        {f"t_cat_{i}": TableConstraint(min_partition=args.min_partition) for i in range(26)}
+        if args.min_partition
+        else None
+    )
+    strategy = DLRoverStrategy(
+        sharding_types=args.sharding_types, constraints=constraints, checkpoint_backend=args.backend
+    )
+    callbacks = [StateDigest(at_start=True)]
+    if args.monitor:
+        callbacks.append(ThroughputMonitor(log_every_n_steps=5, warmup_steps=2))
+    if args.ckpt_every:
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1, save_last=False)
+        )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=bool(args.ckpt_every),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = DLRMModule(SIZES, embedding_dim=16)
+    data = DLRMDataModule(SIZES, global_batch_size=args.batch, train_batches=1000, val_batches=0, seed=args.seed)
+    trainer.fit(model, data, ckpt_path=args.resume)
+
+
+if __name__ == "__main__":
+    main()
