@@ -1,0 +1,71 @@
+"""The ``lightning-dlrover`` CLI: the demo config trains, its saved config reproduces it, bad configs fail early."""
+
+import pytest
+import yaml
+
+from lightning_dlrover import DLRoverStrategy
+from tests.conftest import REPO, digests, run
+
+FAST = [
+    "--trainer.max_steps=6",
+    "--trainer.val_check_interval=3",
+    "--trainer.enable_progress_bar=false",
+    "--data.val_batches=1",
+]
+
+
+def fit(cwd, *args, check=True):
+    return run(["-m", "lightning_dlrover", "fit", "--config", str(REPO / "configs" / "demo.yaml"), *FAST, *args], cwd,
+               check=check)
+
+
+@pytest.mark.slow
+def test_demo_config_trains_and_saved_config_round_trips(tmp_path):
+    first = fit(tmp_path, f"--trainer.default_root_dir={tmp_path / 'a'}")
+    saved = tmp_path / "a" / "lightning_logs" / "version_0" / "config.yaml"
+    config = yaml.safe_load(saved.read_text())
+    assert config["trainer"]["strategy"]["class_path"] == "lightning_dlrover.DLRoverStrategy"
+    assert config["trainer"]["max_steps"] == 6
+    assert (tmp_path / "a" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt" / "meta.pt").is_file()
+    second = run(["-m", "lightning_dlrover", "fit", "--config", str(saved),
+                  f"--trainer.default_root_dir={tmp_path / 'b'}"], tmp_path)
+    assert digests(first.stdout)["end"] == digests(second.stdout)["end"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trainer.strategy.init_args.constraints={t_nope: {min_partition: 8}}"],
+         "strategy.constraints names table(s) ['t_nope']"),
+        (["--data.global_batch_size=100"], "data.global_batch_size=100 is not divisible by the world size 3"),
+        (["--trainer.strategy.init_args.sharding_types=[row_wise]"], "need reduce-scatter; the gloo backend"),
+    ],
+)
+def test_bad_config_fails_before_training_naming_the_field(tmp_path, args, message):
+    proc = fit(tmp_path, f"--trainer.default_root_dir={tmp_path}", *args, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stdout
+    assert "Epoch 0" not in proc.stdout and "state digest" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sharding_types": ["row_wize"]}, "strategy.sharding_types: 'row_wize' is not one of"),
+        ({"compute_kernel": "fast"}, "strategy.compute_kernel: 'fast' is not one of"),
+        ({"constraints": {"t_cat_0": {"sharding_types": ["diagonal"]}}}, "strategy.constraints.t_cat_0.sharding_types"),
+        ({"checkpoint_backend": "zip"}, "strategy.checkpoint_backend='zip' is not one of ['dcp', 'torchsnapshot']"),
+    ],
+)
+def test_bad_strategy_arguments(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        DLRoverStrategy(**kwargs)
+    assert message in str(err.value)
+
+
+def test_strategy_is_registered():
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(strategy="dlrover", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, DLRoverStrategy)
