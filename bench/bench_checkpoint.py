@@ -1,0 +1,293 @@
+"""Checkpoint save and restore time and size of DLRoverStrategy, per backend and embedding size.
+
+A real multi-process job (``--devices`` ranks, gloo, started by Lightning's popen launcher, which
+re-runs this script for every rank). For each total embedding size (fp32 weights of 26 equal tables,
+``--sizes-mb``) it trains a ``DLRMModule`` for ``--train-steps`` steps, so that the fused optimizer
+state exists, and then, for each backend (``dcp``, ``torchsnapshot``), measures:
+
+- save: ``trainer.save_checkpoint(path)``, the strategy's whole path (sharded state through the
+  backend, ``meta.pt``, commit by rename), into a fresh directory every time;
+- restore: ``trainer.strategy.load_checkpoint(path)`` on every rank (a collective);
+- disk: the bytes the checkpoint directory occupies (``du``);
+- reference (``torch.save``): every rank ``torch.save``-s its local shards (and rank 0 the replicated
+  dense state) to its own file, and restores them with ``torch.load`` and an in-place copy.
+
+Every operation is timed on rank 0 between two barriers. The methods run in a rotating order, once
+per repeat (``--repeats``), so that a noisy machine hits them alike; the median is reported. GB/s
+is the state (model and fused optimizer state, summed over ranks, replicated tensors once) per
+second. Both backends checkpoint the same trained model: the strategy's ``checkpoint_backend`` is
+switched between them. Checkpoints go to a temporary directory under ``--tmp``, removed at the end;
+``dcp`` fsyncs its files, the others leave them in the page cache. The last line recommends the
+backend with the least save + restore time summed over the sizes.
+
+    PYTHONPATH=. python bench/bench_checkpoint.py                    # 64, 256, 1024 MB
+    PYTHONPATH=. python bench/bench_checkpoint.py --quick            # 8 MB, seconds
+    PYTHONPATH=. python bench/bench_checkpoint.py --sizes-mb 512 --backends dcp
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from lightning_dlrover import DLRoverStrategy
+from lightning_dlrover.checkpoint import BACKENDS, flatten, get_backend
+from lightning_dlrover.data import DLRMDataModule
+from lightning_dlrover.data.sources import NUM_SPARSE
+from lightning_dlrover.models import DLRMModule
+
+MB = 1 << 20
+GB = 1e9
+
+
+TORCH_SAVE = "torch.save"
+#: Relative difference in total time below which the backends count as equally fast.
+NOISE = 0.10
+
+
+@dataclass
+class Sample:
+    """One save and restore of one method."""
+
+    save_s: float
+    restore_s: float
+    disk_bytes: int
+
+
+@dataclass
+class Row:
+    """Median measurements of one method (a backend or the ``torch.save`` reference) at one embedding size."""
+
+    size_mb: int
+    method: str
+    state_bytes: int
+    save_s: float
+    restore_s: float
+    disk_bytes: int
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[64, 256, 1024],
+                        help="total fp32 embedding weights in MB, one run per size (default: 64 256 1024)")
+    parser.add_argument("--backends", nargs="+", default=sorted(BACKENDS), choices=sorted(BACKENDS),
+                        help="checkpoint backends to compare (default: all)")
+    parser.add_argument("--embedding-dim", type=int, default=64, help="columns of every table (default: 64)")
+    parser.add_argument("--devices", type=int, default=2, help="ranks (default: 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per operation; median reported")
+    parser.add_argument("--train-steps", type=int, default=2, help="training steps before checkpointing")
+    parser.add_argument("--batch", type=int, default=256, help="global batch size of those steps")
+    parser.add_argument("--tmp", default="/tmp", help="parent of the temporary checkpoint directory")
+    parser.add_argument("--quick", action="store_true", help="one tiny size (8 MB): a smoke test")
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes_mb = [8]
+    return args
+
+
+def quiet() -> None:
+    """Silences Lightning's and TorchRec's per-run info logs and warnings, which drown the table."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchrec", "torch.distributed", "torch.fx"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def rows_per_table(size_mb: int, embedding_dim: int) -> int:
+    """Rows of each of the 26 tables so that their fp32 weights total ``size_mb``."""
+    return max(1, round(size_mb * MB / (NUM_SPARSE * embedding_dim * 4)))
+
+
+def train(args: argparse.Namespace, size_mb: int) -> pl.Trainer:
+    """A trainer whose model (26 tables, ``size_mb`` in all) has been trained for a few steps."""
+    sizes = [rows_per_table(size_mb, args.embedding_dim)] * NUM_SPARSE
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=DLRoverStrategy(checkpoint_backend=args.backends[0], print_digest=False),
+        max_steps=args.train_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = DLRMModule(sizes, embedding_dim=args.embedding_dim, dense_arch_layer_sizes=[64, args.embedding_dim])
+    data = DLRMDataModule(sizes, global_batch_size=args.batch, train_batches=args.train_steps, val_batches=0)
+    trainer.fit(model, data)
+    return trainer
+
+
+def local_tensors(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    """This rank's part of the training state: its local shards, and the replicated tensors on rank 0."""
+    tensors = {}
+    for path, leaf in flatten(trainer.strategy.training_state()):
+        if isinstance(leaf, ShardedTensor):
+            tensors.update({f"{path}/{i}": shard.tensor for i, shard in enumerate(leaf.local_shards())})
+        elif isinstance(leaf, torch.Tensor) and trainer.is_global_zero:
+            tensors[path] = leaf
+    return tensors
+
+
+def state_bytes(trainer: pl.Trainer) -> int:
+    """Bytes of the training state summed over ranks, replicated tensors counted once (collective)."""
+    local = sum(t.numel() * t.element_size() for t in local_tensors(trainer).values())
+    total = torch.tensor([local], dtype=torch.int64)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def timed(trainer: pl.Trainer, fn: Callable[[], object]) -> float:
+    """Seconds of ``fn`` run on every rank, between barriers (the slowest rank's time)."""
+    trainer.strategy.barrier()
+    start = time.perf_counter()
+    fn()
+    trainer.strategy.barrier()
+    return time.perf_counter() - start
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes allocated on disk under the directory ``path`` (``du``)."""
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
+def remove(trainer: pl.Trainer, path: Path) -> None:
+    """Deletes ``path`` on rank 0 while the other ranks wait."""
+    trainer.strategy.barrier()
+    if trainer.is_global_zero:
+        shutil.rmtree(path, ignore_errors=True)
+    trainer.strategy.barrier()
+
+
+def measure_backend(trainer: pl.Trainer, backend: str, path: Path) -> Sample:
+    """One save through the strategy with ``backend`` into ``path``, then one restore from it."""
+    strategy = trainer.strategy
+    assert isinstance(strategy, DLRoverStrategy)
+    strategy.checkpoint_backend = get_backend(backend)
+    save_s = timed(trainer, lambda: trainer.save_checkpoint(path))
+    restore_s = timed(trainer, lambda: strategy.load_checkpoint(path))
+    return Sample(save_s, restore_s, disk_bytes(path) if trainer.is_global_zero else 0)
+
+
+def measure_torch_save(trainer: pl.Trainer, path: Path) -> Sample:
+    """Every rank ``torch.save``-s its local tensors to its own file in ``path``, then loads them back in place."""
+    tensors = local_tensors(trainer)
+    file = path / f"rank{trainer.global_rank}.pt"
+    if trainer.is_global_zero:
+        path.mkdir()
+    trainer.strategy.barrier()
+
+    @torch.no_grad()
+    def restore() -> None:
+        for key, value in torch.load(file, weights_only=True).items():
+            tensors[key].copy_(value)
+
+    save_s = timed(trainer, lambda: torch.save(tensors, file))
+    restore_s = timed(trainer, restore)
+    return Sample(save_s, restore_s, disk_bytes(path) if trainer.is_global_zero else 0)
+
+
+def measure_size(args: argparse.Namespace, size_mb: int) -> list[Row]:
+    """Trains a model of ``size_mb`` and measures every method on it, in a rotating order per repeat."""
+    trainer = train(args, size_mb)
+    tmp = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.tmp) if trainer.is_global_zero else ""
+    root = Path(trainer.strategy.broadcast(tmp))
+    methods = [*args.backends, TORCH_SAVE]
+    samples: dict[str, list[Sample]] = {method: [] for method in methods}
+    try:
+        nbytes = state_bytes(trainer)
+        for repeat in range(args.repeats):
+            for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
+                path = root / f"{method}-{repeat}"
+                measure = measure_torch_save if method == TORCH_SAVE else partial(measure_backend, backend=method)
+                samples[method].append(measure(trainer, path=path))
+                remove(trainer, path)
+    finally:
+        remove(trainer, root)
+    rows = [Row(size_mb, method, nbytes, *median(samples[method])) for method in methods]
+    for row in rows:
+        progress(trainer, f"{size_mb} MB {row.method}: save {row.save_s:.2f} s, restore {row.restore_s:.2f} s")
+    return rows
+
+
+def median(samples: list[Sample]) -> tuple[float, float, int]:
+    """Median save and restore seconds and the largest disk size of ``samples``."""
+    return (
+        statistics.median(s.save_s for s in samples),
+        statistics.median(s.restore_s for s in samples),
+        max(s.disk_bytes for s in samples),
+    )
+
+
+def progress(trainer: pl.Trainer, message: str) -> None:
+    if trainer.is_global_zero:
+        print(message, file=sys.stderr, flush=True)
+
+
+def print_table(rows: list[Row], args: argparse.Namespace) -> None:
+    print(f"\nDLRoverStrategy checkpoints: {args.devices} ranks (gloo, CPU), 26 tables x {args.embedding_dim} columns, "
+          f"median of {args.repeats}.\nstate = model + fused optimizer state summed over ranks; "
+          f"x torch.save = time / the time of {TORCH_SAVE!r} (each rank saves/loads its local tensors).")
+    header = (f"{'emb MB':>7}{'state MB':>10}  {'method':<14}{'save s':>8}{'restore s':>10}{'save GB/s':>10}"
+              f"{'rest GB/s':>10}{'disk MB':>9}{'save x t.s':>11}{'rest x t.s':>11}")
+    print(header)
+    print("-" * len(header))
+    reference = {r.size_mb: r for r in rows if r.method == TORCH_SAVE}
+    for r in rows:
+        ref = reference[r.size_mb]
+        print(f"{r.size_mb:>7}{r.state_bytes / MB:>10.1f}  {r.method:<14}{r.save_s:>8.3f}{r.restore_s:>10.3f}"
+              f"{r.state_bytes / GB / r.save_s:>10.2f}{r.state_bytes / GB / r.restore_s:>10.2f}"
+              f"{r.disk_bytes / MB:>9.1f}{r.save_s / ref.save_s:>11.2f}{r.restore_s / ref.restore_s:>11.2f}")
+
+
+def recommend(rows: list[Row]) -> str:
+    """One line naming the backend with the least save + restore time summed over all sizes.
+
+    Within ``NOISE`` of each other the backends tie, and the one that also restores onto new ranks wins.
+    """
+    totals = {
+        backend: sum(r.save_s + r.restore_s for r in rows if r.method == backend)
+        for backend in dict.fromkeys(r.method for r in rows if r.method != TORCH_SAVE)
+    }
+    if len(totals) < 2:
+        return f"recommendation: only {next(iter(totals))!r} was measured; nothing to compare."
+    (best, best_s), (other, other_s) = sorted(totals.items(), key=lambda item: item[1])[:2]
+    summary = f"save + restore over all sizes {best_s:.2f} s ({best}) vs {other_s:.2f} s ({other})"
+    if other_s / best_s >= 1 + NOISE:
+        return f"recommendation: checkpoint_backend={best!r}, {other_s / best_s:.2f}x as fast: {summary}"
+    elastic = [b for b in (best, other) if get_backend(b).restores_onto_new_ranks]
+    if len(elastic) == 1:
+        return (f"recommendation: checkpoint_backend={elastic[0]!r}: the speeds tie within {NOISE:.0%} ({summary}), "
+                f"and {elastic[0]!r} also restores onto a larger world size")
+    return f"recommendation: checkpoint_backend={best!r}: the speeds tie within {NOISE:.0%} ({summary})"
+
+
+def main() -> None:
+    args = parse_args()
+    quiet()
+    rows: list[Row] = []
+    for size_mb in args.sizes_mb:
+        rows.extend(measure_size(args, size_mb))
+        gc.collect()  # the trainer and its model of this size
+    if dist.get_rank() == 0:
+        print_table(rows, args)
+        print(recommend(rows))
+
+
+if __name__ == "__main__":
+    main()

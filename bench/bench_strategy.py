@@ -1,0 +1,284 @@
+"""Training throughput of DLRoverStrategy beside a hand-written TorchRec loop on the same model and data.
+
+Both variants train the same DLRM (26 tables of ``--rows`` x ``--dim``, fused row-wise Adagrad on
+the tables, Adagrad on the MLPs) on the same ``SyntheticCriteo`` stream, with ``--devices`` ranks
+over gloo on CPU, every table sharded ``table_wise``, and ``cpu_count // devices`` threads per rank:
+
+- ``lightning``: ``Trainer(strategy=DLRoverStrategy(print_digest=False))`` with ``DLRMModule`` and
+  ``DLRMDataModule``; logger, progress bar, checkpointing and model summary disabled. Lightning's
+  popen launcher starts the ranks (it re-runs this script).
+- ``loop``: ``torch.multiprocessing.spawn``, ``init_process_group("gloo")``, TorchRec's ``DLRM``,
+  ``EmbeddingShardingPlanner`` and ``DistributedModelParallel``, and a plain loop: forward, BCE loss,
+  backward, dense ``Adagrad`` step, ``zero_grad``.
+
+Each variant runs in its own process tree, ``--warmup`` steps and then ``--steps`` timed steps (wall
+clock between the ends of step ``warmup`` and of the last step on rank 0). Without ``--variant``
+the script orchestrates: it runs the variants ``--rounds`` times in ABBA order (lightning, loop,
+loop, lightning, ...), parses the ``BENCH_RESULT {json}`` line each run prints, and prints a table of
+global samples/s and ms/step per run and per variant (median), with the ratio to the loop.
+
+    PYTHONPATH=. python bench/bench_strategy.py              # ~1-2 minutes on 2 cores
+    PYTHONPATH=. python bench/bench_strategy.py --quick      # tiny model, a few steps
+    PYTHONPATH=. python bench/bench_strategy.py --variant loop --steps 20   # one variant, result line only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.models.dlrm import DLRM
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from lightning_dlrover import DLRoverStrategy
+from lightning_dlrover.data import DLRMDataModule
+from lightning_dlrover.data.sources import NUM_DENSE, NUM_SPARSE, SPARSE_NAMES, SyntheticCriteo
+from lightning_dlrover.models import DLRMModule
+from lightning_dlrover.models.dlrm import table_name
+
+VARIANTS = ("lightning", "loop")
+RESULT_TAG = "BENCH_RESULT"
+LR = 0.05  # DLRMModule's default embedding and dense learning rates
+SEED = 0
+
+
+@dataclass
+class Result:
+    """Steady-state timing of one run of one variant."""
+
+    variant: str
+    steps: int
+    seconds: float
+    global_batch: int
+    threads: int
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.steps * self.global_batch / self.seconds
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000 * self.seconds / self.steps
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", choices=VARIANTS, help="run one variant and print its result line")
+    parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds of both variants (default: 2)")
+    parser.add_argument("--devices", type=int, default=2, help="ranks (default: 2)")
+    parser.add_argument("--rows", type=int, default=100_000, help="rows of each of the 26 tables (default: 100000)")
+    parser.add_argument("--dim", type=int, default=64, help="embedding dimension (default: 64)")
+    parser.add_argument("--batch", type=int, default=4096, help="global batch size (default: 4096)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps (default: 30)")
+    parser.add_argument("--quick", action="store_true", help="tiny model and few steps: a smoke test")
+    args = parser.parse_args()
+    if args.quick:
+        args.rows, args.dim, args.batch, args.warmup, args.steps, args.rounds = 1000, 16, 256, 2, 5, 1
+    return args
+
+
+def model_kwargs(args: argparse.Namespace) -> dict:
+    """The DLRM shape shared by both variants (``configs/benchmark.yaml``'s MLPs)."""
+    return {
+        "embedding_dim": args.dim,
+        "dense_arch_layer_sizes": [256, args.dim],
+        "over_arch_layer_sizes": [256, 128, 1],
+    }
+
+
+def report(variant: str, args: argparse.Namespace, ends: list[float]) -> None:
+    """Prints the result line of a run from the end times of its steps (warm-up steps included)."""
+    steps = len(ends) - args.warmup
+    result = Result(variant, steps, ends[-1] - ends[args.warmup - 1], args.batch, torch.get_num_threads())
+    print(f"{RESULT_TAG} {json.dumps(vars(result))}", flush=True)
+
+
+def quiet() -> None:
+    """Silences per-run info logs and warnings of Lightning and TorchRec."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchrec", "torch.distributed", "torch.fx"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+# --- variant "lightning" ---------------------------------------------------------------------------------
+
+
+class StepClock(pl.Callback):
+    """Records ``time.perf_counter()`` at the end of every training step."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def run_lightning(args: argparse.Namespace) -> None:
+    pl.seed_everything(SEED, verbose=False)
+    clock = StepClock()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=DLRoverStrategy(sharding_types=["table_wise"], print_digest=False),
+        max_steps=args.warmup + args.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+    )
+    sizes = [args.rows] * NUM_SPARSE
+    model = DLRMModule(sizes, embedding_lr=LR, dense_lr=LR, **model_kwargs(args))
+    data = DLRMDataModule(
+        sizes, global_batch_size=args.batch, train_batches=args.warmup + args.steps, val_batches=0, seed=SEED
+    )
+    trainer.fit(model, data)
+    if trainer.is_global_zero:
+        report("lightning", args, clock.ends)
+
+
+# --- variant "loop" --------------------------------------------------------------------------------------
+
+
+def build_dlrm(args: argparse.Namespace) -> DLRM:
+    """TorchRec's DLRM with meta-device tables and a fused row-wise Adagrad on them, as ``DLRMModule`` builds it."""
+    kwargs = model_kwargs(args)
+    tables = [
+        EmbeddingBagConfig(
+            name=table_name(feature), embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[feature]
+        )
+        for feature in SPARSE_NAMES
+    ]
+    model = DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+        dense_in_features=NUM_DENSE,
+        dense_arch_layer_sizes=kwargs["dense_arch_layer_sizes"],
+        over_arch_layer_sizes=kwargs["over_arch_layer_sizes"],
+    )
+    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": LR})
+    return model
+
+
+def shard(model: DLRM, world_size: int) -> DistributedModelParallel:
+    """Plans every table ``table_wise`` with the fused kernel and wraps the model in DMP (collective)."""
+    device = torch.device("cpu")
+    topology = Topology(world_size=world_size, compute_device=device.type, local_world_size=world_size)
+    constraints = {
+        table_name(feature): ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
+        for feature in SPARSE_NAMES
+    }
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+    plan = planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
+    return DistributedModelParallel(module=model, device=device, plan=plan)
+
+
+def loop_worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    """One rank of the hand-written loop."""
+    quiet()
+    world_size = args.devices
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # what Lightning's launcher sets
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    torch.manual_seed(SEED)
+    dmp = shard(build_dlrm(args), world_size)
+    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    optimizer = torch.optim.Adagrad(dense, lr=LR)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    source = SyntheticCriteo([args.rows] * NUM_SPARSE, args.batch, args.warmup + args.steps, seed=SEED)
+    ends = []
+    for batch in source.iter_rank_batches(0, rank, world_size):
+        logits = dmp(batch.dense_features, batch.sparse_features).squeeze(-1)
+        loss_fn(logits, batch.labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ends.append(time.perf_counter())
+    if rank == 0:
+        report("loop", args, ends)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_loop(args: argparse.Namespace) -> None:
+    mp.spawn(loop_worker, args=(args, free_port()), nprocs=args.devices, join=True)
+
+
+# --- orchestration ---------------------------------------------------------------------------------------
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> Result:
+    """Runs ``variant`` in a fresh process tree and parses its result line."""
+    forwarded = ["--devices", args.devices, "--rows", args.rows, "--dim", args.dim, "--batch", args.batch,
+                 "--warmup", args.warmup, "--steps", args.steps]
+    command = [sys.executable, os.path.abspath(__file__), "--variant", variant, *map(str, forwarded)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_TAG)]
+    if done.returncode or not lines:
+        sys.stderr.write(done.stdout + done.stderr)
+        raise RuntimeError(f"variant {variant!r} failed (exit code {done.returncode}); its output is above.")
+    return Result(**json.loads(lines[-1].removeprefix(RESULT_TAG)))
+
+
+def abba(rounds: int) -> list[str]:
+    """Variant order: lightning, loop, loop, lightning, lightning, loop, ..."""
+    return [v for r in range(rounds) for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1])]
+
+
+def print_table(results: list[Result], args: argparse.Namespace) -> None:
+    print(f"\nDLRM 26 x {args.rows} x {args.dim}, global batch {args.batch}, {args.devices} ranks (gloo, CPU, "
+          f"{results[0].threads} thread(s) each), table_wise; {args.steps} timed steps after {args.warmup}.")
+    header = f"{'run':>4}  {'variant':<10}{'samples/s':>11}{'ms/step':>9}{'x loop':>8}"
+    print(header)
+    print("-" * len(header))
+    for i, r in enumerate(results, 1):
+        print(f"{i:>4}  {r.variant:<10}{r.samples_per_s:>11.0f}{r.ms_per_step:>9.1f}")
+    loop_ms = statistics.median(r.ms_per_step for r in results if r.variant == "loop")
+    for variant in VARIANTS:
+        ms = statistics.median(r.ms_per_step for r in results if r.variant == variant)
+        print(f"{'med':>4}  {variant:<10}{1000 * args.batch / ms:>11.0f}{ms:>9.1f}{loop_ms / ms:>8.3f}")
+    spread = [(r.ms_per_step - loop_ms) / loop_ms for r in results]
+    print(f"x loop: throughput relative to the loop's median; the runs' step times lie within "
+          f"{min(spread):+.1%} .. {max(spread):+.1%} of it.")
+
+
+def main() -> None:
+    args = parse_args()
+    quiet()
+    if args.variant == "lightning":
+        run_lightning(args)
+    elif args.variant == "loop":
+        run_loop(args)
+    else:
+        results = []
+        for variant in abba(args.rounds):
+            results.append(run_variant(variant, args))
+            print(f"{variant}: {results[-1].ms_per_step:.1f} ms/step", file=sys.stderr, flush=True)
+        print_table(results, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""CPU kernels: the C extension ``_gf256`` (built by setup.py), with run-time instruction sets.
+
+Instruction sets, slowest first: ``portable`` (the torch kernels of :mod:`.portable`, always
+there), then those of the extension the CPU supports: ``scalar`` (table lookups, any CPU),
+``avx2`` and ``avx512`` (split-nibble pshufb), ``gfni-avx2`` and ``gfni-avx512``
+(gf2p8affineqb). The fastest available is used unless the environment variable
+``LIGHTNING_DLROVER_GF_ISA`` names another, or :func:`set_isa` is called (tests, benchmarks).
+If the extension is not built, a warning says so once and ``portable`` is used.
+
+Kernels run on one thread and release the GIL.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+from torch import Tensor
+
+from . import gf256, portable
+
+ISA_ENV = "LIGHTNING_DLROVER_GF_ISA"
+PORTABLE = "portable"
+
+try:
+    from . import _gf256
+except ImportError:
+    _gf256 = None
+    warnings.warn(
+        "lightning_dlrover.parity: the C extension _gf256 is not built, so CPU parity coding "
+        "uses slow torch kernels. Build it with `pip install --no-build-isolation -e .`.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+else:
+    _gf256.init(gf256.MUL_TABLE.tobytes())
+
+_use_portable = _gf256 is None
+
+
+def available_isas() -> tuple[str, ...]:
+    """Instruction sets this machine can run, slowest first (see the module docstring)."""
+    return (PORTABLE,) + (_gf256.isas() if _gf256 is not None else ())
+
+
+def isa() -> str:
+    """The instruction set in use."""
+    return PORTABLE if _use_portable else _gf256.get_isa()
+
+
+def set_isa(name: str) -> str:
+    """Use instruction set ``name`` (one of :func:`available_isas`); returns the previous one."""
+    global _use_portable
+    if name not in available_isas():
+        raise ValueError(
+            f"instruction set {name!r} is not available here; choose one of {available_isas()}"
+        )
+    previous = isa()
+    _use_portable = name == PORTABLE
+    if not _use_portable:
+        _gf256.set_isa(name)
+    return previous
+
+
+def matmul(dst: Sequence[Tensor], src: Sequence[Tensor], coefs: np.ndarray, accumulate: bool) -> None:
+    """``dst[j] = (dst[j] if accumulate else 0) ^ XOR_i coefs[j, i] * src[i]``.
+
+    Args:
+        dst: r uint8 contiguous tensors of n bytes each (any shape), written in place.
+        src: k uint8 contiguous tensors of n bytes each, not overlapping ``dst``.
+        coefs: uint8 [r, k].
+        accumulate: fold into the current ``dst`` instead of overwriting it.
+    """
+    if _use_portable:
+        portable.matmul(dst, src, coefs, accumulate)
+        return
+    _gf256.matmul(
+        [d.data_ptr() for d in dst],
+        [s.data_ptr() for s in src],
+        np.ascontiguousarray(coefs, dtype=np.uint8).tobytes(),
+        dst[0].numel(),
+        accumulate,
+    )
+
+
+def update_rows(parity: Tensor, coefs: np.ndarray, rows: Tensor, delta: Tensor, check: bool) -> None:
+    """``parity[p, rows[t]] ^= coefs[p] * delta[t]`` for every p and t.
+
+    Args:
+        parity: uint8 [P, num_rows, row_bytes] contiguous, updated in place.
+        coefs: uint8 [P].
+        rows: int64 [m] contiguous; may repeat (each delta is applied).
+        delta: uint8 [m, row_bytes] contiguous.
+        check: ignored by the C kernels, which always check rows (it costs nothing next to the
+            row updates) and raise ValueError, changing nothing, if one is out of range.
+    """
+    if _use_portable:
+        portable.update_rows(parity, coefs, rows, delta, check)
+        return
+    _gf256.update_rows(
+        parity.data_ptr(),
+        parity.shape[1] * parity.shape[2],
+        np.ascontiguousarray(coefs, dtype=np.uint8).tobytes(),
+        rows.data_ptr(),
+        rows.numel(),
+        parity.shape[1],
+        delta.data_ptr(),
+        parity.shape[2],
+    )
+
+
+if os.environ.get(ISA_ENV):
+    try:
+        set_isa(os.environ[ISA_ENV])
+    except ValueError as error:
+        raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: {error}") from None
