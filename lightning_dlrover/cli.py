@@ -16,9 +16,9 @@ class DLRoverCLI(LightningCLI):
         parser.link_arguments("model.num_embeddings_per_feature", "data.num_embeddings_per_feature")
 
 
-def main(args: list[str] | None = None) -> DLRoverCLI:
+def main(args: list[str] | None = None) -> None:
     """Runs the CLI (``args`` defaults to ``sys.argv[1:]``)."""
-    return DLRoverCLI(
+    DLRoverCLI(
         DLRMModule,
         DLRMDataModule,
         args=args,

@@ -1,0 +1,51 @@
+"""Where the parity of every rank's embedding state lives: a (k, r) code rotated over the ranks.
+
+Every rank's coded state (its embedding shards and their optimizer state, as bytes) is cut into ``k``
+equal chunks. Chunk ``c`` of rank ``i`` is data shard ``c`` of parity group ``g = (i - c) mod W``.
+Group ``g`` has data shards on ranks ``g, g+1, ..., g+k-1`` and parity shard ``p`` (code shard id
+``k + p``) on rank ``g + k + p`` (all mod ``W``). With ``k + r <= W`` the ``k + r`` members of a group are
+distinct ranks, so losing any ``r`` ranks loses at most ``r`` shards of each group; and every rank holds
+exactly ``r`` parity chunks, ``r / k`` of its own state: no rank is a parity-only server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParityPlacement:
+    """Rotated placement of a systematic ``(k, r)`` code over ``world_size`` ranks (groups are numbered 0..W-1)."""
+
+    world_size: int
+    k: int
+    r: int
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.r < 1:
+            raise ValueError(f"parity needs k >= 1 and r >= 1, got ParityConfig(k={self.k}, r={self.r}).")
+        if self.k + self.r > self.world_size:
+            raise ValueError(
+                f"ParityConfig(k={self.k}, r={self.r}) needs k + r = {self.k + self.r} distinct ranks per parity "
+                f"group, but the world size is {self.world_size}. Lower k or r, or add ranks."
+            )
+
+    def data_rank(self, group: int, position: int) -> int:
+        """Rank that holds data shard ``position`` (0..k-1) of ``group``."""
+        return (group + position) % self.world_size
+
+    def parity_rank(self, group: int, index: int) -> int:
+        """Rank that holds parity shard ``index`` (0..r-1, code shard id ``k + index``) of ``group``."""
+        return (group + self.k + index) % self.world_size
+
+    def group_of_chunk(self, rank: int, chunk: int) -> int:
+        """Group whose data shard ``chunk`` is chunk ``chunk`` of ``rank``'s state."""
+        return (rank - chunk) % self.world_size
+
+    def parity_held(self, rank: int) -> list[tuple[int, int]]:
+        """``(group, index)`` of the ``r`` parity chunks stored on ``rank``, in index order."""
+        return [((rank - self.k - index) % self.world_size, index) for index in range(self.r)]
+
+    def members(self, group: int) -> list[int]:
+        """Ranks of ``group`` by code shard id: ``k`` data ranks, then ``r`` parity ranks."""
+        return [self.data_rank(group, c) for c in range(self.k)] + [self.parity_rank(group, p) for p in range(self.r)]

@@ -1,0 +1,32 @@
+"""Rotated parity placement: distinct group members, equal shares, any r losses recoverable."""
+
+import itertools
+
+import pytest
+
+from lightning_dlrover.fault.placement import ParityPlacement
+
+
+@pytest.mark.parametrize(("world_size", "k", "r"), [(3, 2, 1), (4, 2, 2), (5, 3, 2), (8, 4, 2), (2, 1, 1)])
+def test_placement_is_balanced_and_tolerates_r_losses(world_size, k, r):
+    placement = ParityPlacement(world_size, k, r)
+    for group in range(world_size):
+        assert len(set(placement.members(group))) == k + r
+    for rank in range(world_size):
+        held = placement.parity_held(rank)
+        assert len(held) == r
+        assert all(placement.parity_rank(g, p) == rank for g, p in held)
+        assert all(placement.data_rank(placement.group_of_chunk(rank, c), c) == rank for c in range(k))
+    for lost in itertools.combinations(range(world_size), r):
+        for group in range(world_size):
+            assert sum(m not in lost for m in placement.members(group)) >= k
+
+
+@pytest.mark.parametrize(("world_size", "k", "r", "message"), [
+    (3, 3, 1, "needs k + r = 4 distinct ranks per parity group, but the world size is 3"),
+    (4, 2, 0, "parity needs k >= 1 and r >= 1"),
+    (4, 0, 1, "parity needs k >= 1 and r >= 1"),
+])
+def test_impossible_settings_are_rejected(world_size, k, r, message):
+    with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        ParityPlacement(world_size, k, r)
