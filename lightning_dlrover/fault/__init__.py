@@ -1,5 +1,7 @@
-"""Fault tolerance: parity placement over ranks (coded embeddings, commit protocol and recovery build on it)."""
+"""Fault tolerance: parity placement over ranks, erasure-coded embedding state, the per-step commit protocol."""
 
-from lightning_dlrover.fault.placement import ParityPlacement
+from lightning_dlrover.fault.coded_embeddings import CodedEmbeddings
+from lightning_dlrover.fault.coded_state import CodedState
+from lightning_dlrover.fault.placement import ParityConfig, ParityPlacement
 
-__all__ = ["ParityPlacement"]
+__all__ = ["CodedEmbeddings", "CodedState", "ParityConfig", "ParityPlacement"]

@@ -13,6 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass
+class ParityConfig:
+    """Erasure coding of the embedding state: any ``r`` lost ranks are recoverable; parity costs ``r / k`` memory.
+
+    Args:
+        k: data chunks per parity group (each rank's state is cut into ``k`` chunks).
+        r: parity chunks per group (ranks that may be lost at once); ``r == 1`` is plain XOR.
+    """
+
+    k: int = 2
+    r: int = 1
+
+
 @dataclass(frozen=True)
 class ParityPlacement:
     """Rotated placement of a systematic ``(k, r)`` code over ``world_size`` ranks (groups are numbered 0..W-1)."""

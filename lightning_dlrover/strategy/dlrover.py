@@ -30,6 +30,8 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.keyed import KeyedOptimizer
 
 from lightning_dlrover.checkpoint import complete_sharded_state, get_backend, state_digest
+from lightning_dlrover.fault import CodedEmbeddings, CodedState, ParityConfig, ParityPlacement
+from lightning_dlrover.monitor import StepTimer
 from lightning_dlrover.strategy.sharding import (
     COMPUTE_KERNELS,
     CPU_DEFAULT_SHARDING_TYPES,
@@ -58,6 +60,7 @@ class DLRoverStrategy(DDPStrategy):
             in-backward optimizer inside the kernel).
         constraints: per-table planner constraints, keyed by table name.
         checkpoint_backend: ``"dcp"`` (``torch.distributed.checkpoint``) or ``"torchsnapshot"``.
+        parity: erasure-code the embedding shards and their optimizer state across ranks (``None``: off).
         print_digest: at the end of ``fit``, print ``state digest: <sha256>`` of the whole training state
             on rank 0 (a collective over all shards; costs one pass over the state).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -73,6 +76,7 @@ class DLRoverStrategy(DDPStrategy):
         compute_kernel: str = "fused",
         constraints: dict[str, TableConstraint] | None = None,
         checkpoint_backend: Literal["dcp", "torchsnapshot"] = "dcp",
+        parity: ParityConfig | None = None,
         print_digest: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -109,7 +113,10 @@ class DLRoverStrategy(DDPStrategy):
         }
         self.checkpoint_backend = get_backend(checkpoint_backend)
         self.print_digest = print_digest
+        self.parity = ParityConfig(**parity) if isinstance(parity, dict) else parity
+        self.step_timer = StepTimer()
         self._dmp: DistributedModelParallel | None = None
+        self._coded: CodedEmbeddings | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -145,7 +152,35 @@ class DLRoverStrategy(DDPStrategy):
         self.model = self._dmp if self._dmp is not None else self._shard(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.parity is not None and self._coded is None:
+                self._coded = self._encode_parity(self.parity)
         self.setup_precision_plugin()
+
+    def _encode_parity(self, config: ParityConfig) -> CodedEmbeddings:
+        """Lays out this rank's embedding state in chunks and encodes the parity every rank holds (collective)."""
+        placement = ParityPlacement(self.world_size, config.k, config.r)
+        coded = CodedEmbeddings(CodedState(self.model, config.k), placement)
+        state_bytes, parity_bytes = coded.state.num_bytes, coded.parity.numel()
+        rank_zero_info(
+            f"DLRoverStrategy parity k={config.k} r={config.r}: rank 0 codes {state_bytes / 2**20:.2f} MiB of embedding "
+            f"state and holds {parity_bytes / 2**20:.2f} MiB of parity ({parity_bytes / max(state_bytes, 1):.0%})."
+        )
+        return coded
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Runs the step, then commits the embedding rows it changed into the parity (when parity is on)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._coded is not None:
+            with self.step_timer.section("parity"):
+                self._coded.commit_step(self.lightning_module.trainer.global_step + 1)
+        return output
+
+    def recover(self, lost_ranks: list[int]) -> None:
+        """Rebuilds the embedding shards, optimizer state and parity of ``lost_ranks`` in place, at the last
+        committed step, from the survivors' shards and parity (a collective on every rank)."""
+        if self._coded is None:
+            raise RuntimeError("DLRoverStrategy.recover needs parity: pass DLRoverStrategy(parity=ParityConfig(...)).")
+        self._coded.recover(sorted(set(lost_ranks)))
 
     def _shard(self, module: pl.LightningModule) -> DistributedModelParallel:
         """Plans the sharding of ``module``'s embedding tables and wraps it in ``DistributedModelParallel``."""
@@ -254,6 +289,8 @@ class DLRoverStrategy(DDPStrategy):
         self.lightning_module.load_state_dict(sharded["model"], strict=self.lightning_module.strict_loading)
         loaded = sharded["fused_optimizer"]
         self.fused_optimizer.load_state_dict({"state": {k: loaded[k] for k in self.fused_optimizer.state_dict()["state"]}})
+        if self._coded is not None:
+            self._coded.encode()
         return meta
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

@@ -9,11 +9,35 @@ import argparse
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_dlrover import DLRoverStrategy, StateDigest, TableConstraint, ThroughputMonitor
+from lightning_dlrover import DLRoverStrategy, ParityConfig, StateDigest, TableConstraint, ThroughputMonitor
+from lightning_dlrover.monitor import training_state_digest
 from lightning_dlrover.data import DLRMDataModule
 from lightning_dlrover.models import DLRMModule
 
 SIZES = [300 + 37 * i for i in range(26)]
+
+
+class LossDrill(pl.Callback):
+    """At global step ``step``, wipes the coded state and parity of ``ranks``, recovers them, and prints
+    whether the state digest is the one before the wipe."""
+
+    def __init__(self, step: int, ranks: list[list[int]]) -> None:
+        self.step, self.ranks = step, ranks
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step != self.step:
+            return
+        strategy = trainer.strategy
+        before = training_state_digest(trainer)
+        for lost in self.ranks:
+            if trainer.global_rank in lost:
+                for segment in strategy._coded.state.segments:
+                    segment.tensor.zero_()
+                strategy._coded.parity.zero_()
+            strategy.recover(lost)
+            after = training_state_digest(trainer)
+            if trainer.is_global_zero:
+                print(f"drill lost={lost}: recovered state {'matches' if after == before else 'DIFFERS'}", flush=True)
 
 
 def main() -> None:
@@ -29,6 +53,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--monitor", action="store_true")
+    parser.add_argument("--parity", default=None, help="k,r")
+    parser.add_argument("--drill-at", type=int, default=None)
+    parser.add_argument("--drill", default="", help="rank sets lost one after another, e.g. 0 1 2 or 0,1 1,2")
     args = parser.parse_args()
 
     pl.seed_everything(args.seed)
@@ -38,9 +65,14 @@ def main() -> None:
         else None
     )
     strategy = DLRoverStrategy(
-        sharding_types=args.sharding_types, constraints=constraints, checkpoint_backend=args.backend
+        sharding_types=args.sharding_types,
+        constraints=constraints,
+        checkpoint_backend=args.backend,
+        parity=ParityConfig(*map(int, args.parity.split(","))) if args.parity else None,
     )
     callbacks = [StateDigest(at_start=True)]
+    if args.drill_at is not None:
+        callbacks.append(LossDrill(args.drill_at, [list(map(int, s.split(","))) for s in args.drill.split()]))
     if args.monitor:
         callbacks.append(ThroughputMonitor(log_every_n_steps=5, warmup_steps=2))
     if args.ckpt_every:

@@ -1,0 +1,197 @@
+"""Erasure-coded embeddings: parity of every rank's embedding state on other ranks, committed per step.
+
+Commit protocol (one training step ``s``; ``committed_step`` is ``s - 1`` before it):
+
+1. Forward: a pre-hook on every fused embedding kernel records the rows it will update and saves their
+   bytes (weights and optimizer state) in the rank's undo log, before the in-backward optimizer runs.
+2. Backward and optimizer step update those rows in place.
+3. :meth:`CodedEmbeddings.commit_step`: every rank sends ``old XOR new`` of its touched rows, tagged with
+   ``s``, to the parity holders of their groups; each holder folds them into its parity and keeps them
+   as its own undo log (XOR is its own inverse).
+4. A vote (an all-reduce) that every rank reaches only after applying every delta it received. When it
+   completes, step ``s`` is committed: undo logs are dropped and ``committed_step = s``.
+
+A failure before the vote completes leaves step ``s`` uncommitted everywhere; :meth:`rollback` undoes
+it on the survivors (rows restored from the undo log, received deltas re-applied), so data and parity
+are again those of step ``s - 1``, and the lost ranks are decoded at that step. Only touched rows travel.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dlrover.fault.coded_state import CodedState
+from lightning_dlrover.fault.placement import ParityPlacement
+from lightning_dlrover.parity import ReedSolomonCode
+
+# Per delta record: parity index p, data position c, row bytes, row slot in the chunk.
+RECORD = 4
+
+
+def exchange(sends: dict[int, Tensor], dtype: torch.dtype) -> dict[int, Tensor]:
+    """Point-to-point exchange of 1-D tensors: ``sends[dst]`` goes to ``dst``; returns what each rank sent here."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    counts = torch.tensor([sends[d].numel() if d in sends else 0 for d in range(world)], dtype=torch.int64)
+    incoming = torch.empty_like(counts)
+    dist.all_to_all_single(incoming, counts)
+    received = {src: torch.empty(int(n), dtype=dtype) for src, n in enumerate(incoming.tolist()) if n and src != me}
+    ops = [dist.P2POp(dist.isend, t.contiguous(), d) for d, t in sends.items() if t.numel() and d != me]
+    ops += [dist.P2POp(dist.irecv, t, src) for src, t in received.items()]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    if me in sends and sends[me].numel():
+        received[me] = sends[me].clone()
+    return received
+
+
+class CodedEmbeddings:
+    """Keeps this rank's share of the parity and runs the per-step commit protocol (collective methods).
+
+    Attributes:
+        parity: uint8 ``[r, chunk_len]``; row ``p`` is parity shard ``k + p`` of group ``placement.parity_held(rank)[p][0]``.
+        committed_step: the last step whose data and parity are consistent on every rank (-1: the encode).
+    """
+
+    def __init__(self, state: CodedState, placement: ParityPlacement) -> None:
+        self.state, self.placement = state, placement
+        self.rank = dist.get_rank()
+        self.code = ReedSolomonCode(placement.k, placement.r)
+        self.parity = torch.zeros(placement.r, state.chunk_len, dtype=torch.uint8)
+        self.committed_step = -1
+        self._pending: list[tuple[int, int, Tensor, Tensor]] = []
+        self.encode()
+
+    def _group_chunks(self, holders: dict[int, list[tuple[int, int]]]) -> dict[int, Tensor]:
+        """Sends each listed (group, index) holder the group's data chunks held here; returns chunks received by source."""
+        sends: dict[int, list[Tensor]] = defaultdict(list)
+        for dst, held in holders.items():
+            for group, _ in held:
+                for c in range(self.placement.k):
+                    if self.placement.data_rank(group, c) == self.rank:
+                        sends[dst].append(self.state.read_chunk(c))
+        return exchange({d: torch.cat(t) for d, t in sends.items()}, torch.uint8)
+
+    def _encode_held(self, indices: list[int], received: dict[int, Tensor]) -> None:
+        """Re-encodes parity rows ``indices`` from group data chunks received by :meth:`_group_chunks`."""
+        offsets: dict[int, int] = defaultdict(int)
+        for group, p in self.placement.parity_held(self.rank):
+            data = []
+            for c in range(self.placement.k):
+                src, at = self.placement.data_rank(group, c), offsets[self.placement.data_rank(group, c)]
+                data.append(received[src][at : at + self.state.chunk_len])
+                offsets[src] += self.state.chunk_len
+            if p in indices:
+                self.code.encode(torch.stack(data), parity_ids=[self.placement.k + p], out=self.parity[p : p + 1])
+
+    def encode(self) -> None:
+        """Encodes all parity from scratch (start-up and after a checkpoint restore)."""
+        world = self.placement.world_size
+        received = self._group_chunks({d: self.placement.parity_held(d) for d in range(world)})
+        self._encode_held(list(range(self.placement.r)), received)
+        self.state.commit()
+        self._pending.clear()
+
+    def commit_step(self, step: int) -> None:
+        """Sends this step's row deltas to their parity holders, folds in the ones received, and commits ``step``."""
+        r = self.placement.r
+        meta: dict[int, list[Tensor]] = defaultdict(list)
+        payload: dict[int, list[Tensor]] = defaultdict(list)
+        for segment, rows, delta in self.state.step_deltas():
+            chunks, slots = self.state.locate(segment, rows)
+            row_bytes = delta.shape[1]
+            for chunk in torch.unique(chunks).tolist():
+                mask = chunks == chunk
+                group = self.placement.group_of_chunk(self.rank, chunk)
+                for p in range(r):
+                    dst = self.placement.parity_rank(group, p)
+                    n = int(mask.sum())
+                    fields = torch.tensor([p, chunk, row_bytes], dtype=torch.int64).expand(n, 3)
+                    meta[dst].append(torch.cat([fields, slots[mask, None]], dim=1).reshape(-1))
+                    payload[dst].append(delta[mask].reshape(-1))
+        got_meta = exchange({d: torch.cat(v) for d, v in meta.items()}, torch.int64)
+        got_data = exchange({d: torch.cat(v) for d, v in payload.items()}, torch.uint8)
+        for src, records in got_meta.items():
+            records = records.view(-1, RECORD)
+            for p, c, row_bytes in torch.unique(records[:, :3], dim=0).tolist():
+                mask = (records[:, 0] == p) & (records[:, 1] == c) & (records[:, 2] == row_bytes)
+                slots, deltas = records[mask, 3], self._slice_rows(got_data[src], records, mask, row_bytes)
+                self._apply(p, c, slots, deltas)
+                self._pending.append((p, c, slots, deltas))
+        flag = torch.ones(1)
+        dist.all_reduce(flag)  # the vote: reached by every rank only after applying its deltas
+        self.state.commit()
+        self._pending.clear()
+        self.committed_step = step
+
+    @staticmethod
+    def _slice_rows(data: Tensor, records: Tensor, mask: Tensor, row_bytes: int) -> Tensor:
+        """The delta bytes of the records selected by ``mask`` (records carry variable row sizes, packed in order)."""
+        sizes = records[:, 2]
+        starts = torch.cumsum(sizes, 0) - sizes
+        picked = starts[mask]
+        return data[(picked[:, None] + torch.arange(row_bytes)).reshape(-1)].view(-1, row_bytes)
+
+    def _apply(self, p: int, c: int, slots: Tensor, deltas: Tensor) -> None:
+        self.code.update_rows(self.parity[p : p + 1], c, slots, deltas, parity_ids=[self.placement.k + p])
+
+    def rollback(self) -> None:
+        """Undoes an uncommitted step on this rank: rows back to the committed bytes, received deltas removed."""
+        for p, c, slots, deltas in self._pending:
+            self._apply(p, c, slots, deltas)
+        self._pending.clear()
+        self.state.rollback()
+
+    def recover(self, lost: list[int]) -> None:
+        """Rebuilds the coded state and parity of the ``lost`` ranks in place on those ranks (collective).
+
+        Every rank first rolls back to the committed step. The lost ranks' buffers may hold anything
+        (e.g. zeros after a restart); the survivors' data and parity are the source of truth.
+        """
+        k, r = self.placement.k, self.placement.r
+        if len(lost) > r:
+            raise RuntimeError(
+                f"{len(lost)} ranks lost ({lost}) but parity tolerates r={r}; restore the last checkpoint instead."
+            )
+        self.rollback()
+        plan = self._decode_plan(lost)
+        sends: dict[int, list[Tensor]] = defaultdict(list)
+        for dst, _, _, sources in plan:
+            for src, shard in sources:
+                if src == self.rank:
+                    sends[dst].append(self.state.read_chunk(shard) if shard < k else self.parity[shard - k])
+        received = exchange({d: torch.cat(t) for d, t in sends.items()}, torch.uint8)
+        offsets: dict[int, int] = defaultdict(int)
+        for dst, _, chunk, sources in plan:
+            if dst != self.rank:
+                continue
+            shards = {}
+            for src, shard in sources:
+                shards[shard] = received[src][offsets[src] : offsets[src] + self.state.chunk_len]
+                offsets[src] += self.state.chunk_len
+            self.state.write_chunk(chunk, self.code.reconstruct(shards, [chunk])[0])
+        # The lost ranks' own parity shares are re-encoded from the (now complete) data.
+        holders = {d: self.placement.parity_held(d) for d in lost}
+        received = self._group_chunks(holders)
+        if self.rank in lost:
+            self._encode_held(list(range(r)), received)
+        self.state.commit()
+
+    def _decode_plan(self, lost: list[int]) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
+        """``(lost rank, group, chunk, [(source rank, code shard id)] * k)`` for every lost data chunk.
+
+        A data shard ``c`` of a group is chunk ``c`` of its data rank; a parity shard ``k + p`` is row ``p``
+        of its parity rank's ``parity``. The same plan is computed on every rank.
+        """
+        plan = []
+        for rank in lost:
+            for chunk in range(self.placement.k):
+                group = self.placement.group_of_chunk(rank, chunk)
+                members = self.placement.members(group)
+                sources = [(m, shard) for shard, m in enumerate(members) if m not in lost][: self.placement.k]
+                plan.append((rank, group, chunk, sources))
+        return plan

@@ -1,0 +1,211 @@
+"""A rank's embedding state as ``k`` byte chunks, and the rows each training step changes in it.
+
+The coded state of a rank is every local shard of its fused embedding kernels: each table shard's
+weights ``[rows, cols]`` and each of its optimizer states (e.g. row-wise Adagrad ``momentum1``
+``[rows]``), in TorchRec's own buffers. Row ``j`` of such a *segment* is ``row_bytes`` bytes. Rows are
+laid out in ``k`` chunks of ``chunk_len`` bytes (the same on every rank): a segment's rows fill the current
+chunk from a position aligned to its ``row_bytes`` and continue in the next chunk, so a row never
+straddles two chunks and chunk ``c`` read as ``[chunk_len / row_bytes, row_bytes]`` holds it at one index.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_dlrover.parity import as_bytes
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One coded tensor: ``tensor`` is a live 2-D or 1-D view ``[rows, ...]`` of a TorchRec buffer."""
+
+    name: str
+    table: int
+    tensor: Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.tensor.shape[0]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.tensor[0].numel() * self.tensor.element_size() if self.rows else 0
+
+    def row_view(self) -> Tensor:
+        """uint8 ``[rows, row_bytes]`` zero-copy view."""
+        return as_bytes(self.tensor.reshape(self.rows, -1))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[row_lo, row_hi)`` of a segment stored in ``chunk`` from row slot ``slot`` (in units of row_bytes)."""
+
+    segment: int
+    row_lo: int
+    row_hi: int
+    chunk: int
+    slot: int
+
+
+def fused_embedding_kernels(module: nn.Module) -> list[nn.Module]:
+    """TorchRec's fused embedding kernels (``BatchedFusedEmbeddingBag`` and alike) of every sharded module.
+
+    Sharded modules keep their lookups in a plain list (``_lookups``), so they are not submodules.
+    Data-parallel tables use the dense kernel and are replicated on every rank: they need no parity.
+    """
+    return [
+        kernel
+        for m in module.modules()
+        for lookup in getattr(m, "_lookups", None) or []
+        for kernel in getattr(lookup, "_emb_modules", [])
+        if hasattr(kernel, "split_embedding_weights") and hasattr(getattr(kernel, "_emb_module", None), "split_optimizer_states")
+    ]
+
+
+class CodedState:
+    """This rank's coded embedding state, its chunk layout and the rows touched in the current step.
+
+    Args:
+        module: the sharded model (after ``DistributedModelParallel``).
+        k: data chunks per rank (the code's ``k``).
+    """
+
+    def __init__(self, module: nn.Module, k: int) -> None:
+        self.k = k
+        self.kernels = fused_embedding_kernels(module)
+        self.segments: list[Segment] = []
+        self._hooks = []
+        num_tables = 0
+        for kernel in self.kernels:
+            self._hooks.append(kernel.register_forward_pre_hook(self._capture(kernel, first_table=num_tables)))
+            states = kernel._emb_module.split_optimizer_states()
+            for table, weight, table_states in zip(kernel.config.embedding_tables, kernel.split_embedding_weights(), states):
+                index, num_tables = num_tables, num_tables + 1
+                offsets = ",".join(map(str, table.local_metadata.shard_offsets)) if table.local_metadata else "0"
+                self.segments.append(Segment(f"{table.name}@{offsets}/weight", index, weight))
+                for s, state in enumerate(table_states):
+                    self.segments.append(Segment(f"{table.name}@{offsets}/state{s}", index, state))
+        self.chunk_len = self._agree_chunk_len()
+        self.pieces = self._layout(self.chunk_len)
+        self._touched: dict[int, Tensor] = {}
+        self._undo: dict[int, tuple[Tensor, Tensor]] = {}
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of coded state on this rank."""
+        return sum(s.rows * s.row_bytes for s in self.segments)
+
+    def _agree_chunk_len(self) -> int:
+        """The smallest chunk length, a multiple of every rank's row sizes, that fits every rank's rows in ``k`` chunks."""
+        row_sizes = sorted({s.row_bytes for s in self.segments if s.rows})
+        gathered: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(gathered, row_sizes)
+        align = math.lcm(1, *(size for sizes in gathered for size in sizes))
+        chunk_len = math.ceil(self.num_bytes / self.k / align) * align or align
+        step = max(align, math.ceil(len(self.segments) * max(row_sizes, default=1) / self.k / align) * align)
+        while self._layout(chunk_len)[-1:] and self._layout(chunk_len)[-1].chunk >= self.k:
+            chunk_len += step  # row alignment and chunk ends leave padding
+        agreed = torch.tensor([chunk_len], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return int(agreed)
+
+    def _layout(self, chunk_len: int) -> list[Piece]:
+        """Places every segment's rows in chunks of ``chunk_len`` bytes (see the module docstring)."""
+        pieces, chunk, pos = [], 0, 0
+        for index, seg in enumerate(self.segments):
+            row = 0
+            while row < seg.rows:
+                pos = math.ceil(pos / seg.row_bytes) * seg.row_bytes
+                fit = min(seg.rows - row, (chunk_len - pos) // seg.row_bytes)
+                if fit == 0:
+                    chunk, pos = chunk + 1, 0
+                    continue
+                pieces.append(Piece(index, row, row + fit, chunk, pos // seg.row_bytes))
+                row, pos = row + fit, pos + fit * seg.row_bytes
+        return pieces
+
+    def read_chunk(self, chunk: int) -> Tensor:
+        """A copy of chunk ``chunk``: uint8 ``[chunk_len]`` (padding bytes are zero)."""
+        out = torch.zeros(self.chunk_len, dtype=torch.uint8)
+        for p in self.pieces:
+            if p.chunk == chunk:
+                seg = self.segments[p.segment]
+                start = p.slot * seg.row_bytes
+                out[start : start + (p.row_hi - p.row_lo) * seg.row_bytes] = seg.row_view()[p.row_lo : p.row_hi].reshape(-1)
+        return out
+
+    def write_chunk(self, chunk: int, data: Tensor) -> None:
+        """Writes chunk ``chunk`` (uint8 ``[chunk_len]``) into the live TorchRec buffers."""
+        for p in self.pieces:
+            if p.chunk == chunk:
+                seg = self.segments[p.segment]
+                start = p.slot * seg.row_bytes
+                rows = data[start : start + (p.row_hi - p.row_lo) * seg.row_bytes].view(-1, seg.row_bytes)
+                seg.row_view()[p.row_lo : p.row_hi] = rows
+
+    def locate(self, segment: int, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Chunk index and row slot (units of the segment's ``row_bytes``) of each of ``rows`` (int64 [m])."""
+        pieces = [p for p in self.pieces if p.segment == segment]
+        bounds = torch.tensor([p.row_lo for p in pieces])
+        which = torch.searchsorted(bounds, rows, right=True) - 1
+        chunk = torch.tensor([p.chunk for p in pieces])[which]
+        slot = torch.tensor([p.slot - p.row_lo for p in pieces])[which] + rows
+        return chunk, slot
+
+    def _capture(self, kernel: nn.Module, first_table: int):
+        """A forward pre-hook recording the rows ``kernel`` will update (its input ids, per table)."""
+
+        def hook(module: nn.Module, args: tuple) -> None:
+            if not torch.is_grad_enabled() or not module.training:
+                return
+            values = args[0].values().split(args[0].length_per_key())  # keys follow the tables' features
+            position = 0
+            for t, table in enumerate(kernel.config.embedding_tables):
+                count = len(table.feature_names)
+                self._touch(first_table + t, torch.cat(values[position : position + count]))
+                position += count
+
+        return hook
+
+    def _touch(self, table: int, ids: Tensor) -> None:
+        """Records rows of ``table`` about to be updated and saves their current bytes (the undo log)."""
+        rows = torch.unique(ids.to(torch.int64))
+        if table in self._touched:
+            rows = rows[~torch.isin(rows, self._touched[table])]
+            self._touched[table] = torch.cat([self._touched[table], rows])
+        else:
+            self._touched[table] = rows
+        for index, seg in enumerate(self.segments):
+            if seg.table == table and rows.numel():
+                old = seg.row_view()[rows].clone()
+                if index in self._undo:
+                    prev_rows, prev_old = self._undo[index]
+                    rows_all, old = torch.cat([prev_rows, rows]), torch.cat([prev_old, old])
+                    self._undo[index] = (rows_all, old)
+                else:
+                    self._undo[index] = (rows, old)
+
+    def step_deltas(self) -> list[tuple[int, Tensor, Tensor]]:
+        """``(segment, rows, old XOR new bytes [m, row_bytes])`` for every segment changed since :meth:`commit`."""
+        return [(index, rows, old ^ self.segments[index].row_view()[rows]) for index, (rows, old) in self._undo.items()]
+
+    def rollback(self) -> None:
+        """Restores every row touched since :meth:`commit` to its committed bytes."""
+        for index, (rows, old) in self._undo.items():
+            self.segments[index].row_view()[rows] = old
+        self.commit()
+
+    def commit(self) -> None:
+        """Forgets the undo log: the current bytes become the committed state."""
+        self._touched.clear()
+        self._undo.clear()
+
+    def close(self) -> None:
+        """Removes the forward hooks."""
+        for hook in self._hooks:
+            hook.remove()
