@@ -17,11 +17,12 @@ per repeat (``--repeats``), so that a noisy machine hits them alike; the median 
 is the state (model and fused optimizer state, summed over ranks, replicated tensors once) per
 second. Both backends checkpoint the same trained model: the strategy's ``checkpoint_backend`` is
 switched between them. Checkpoints go to a temporary directory under ``--tmp``, removed at the end;
-``dcp`` fsyncs its files, the others leave them in the page cache. The last line recommends the
-backend with the least save + restore time summed over the sizes.
+``dcp`` fsyncs its files, the others leave them in the page cache, and every restore reads from the
+page cache. The last line recommends the backend with the least save + restore time summed over
+the sizes (within 10%, the one that can also restore onto more ranks).
 
-    PYTHONPATH=. python bench/bench_checkpoint.py                    # 64, 256, 1024 MB
-    PYTHONPATH=. python bench/bench_checkpoint.py --quick            # 8 MB, seconds
+    PYTHONPATH=. python bench/bench_checkpoint.py                    # 64, 256, 1024 MiB, under a minute
+    PYTHONPATH=. python bench/bench_checkpoint.py --quick            # 8 MiB, seconds
     PYTHONPATH=. python bench/bench_checkpoint.py --sizes-mb 512 --backends dcp
 """
 
@@ -52,10 +53,8 @@ from lightning_dlrover.data import DLRMDataModule
 from lightning_dlrover.data.sources import NUM_SPARSE
 from lightning_dlrover.models import DLRMModule
 
-MB = 1 << 20
+MiB = 1 << 20
 GB = 1e9
-
-
 TORCH_SAVE = "torch.save"
 #: Relative difference in total time below which the backends count as equally fast.
 NOISE = 0.10
@@ -85,7 +84,7 @@ class Row:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[64, 256, 1024],
-                        help="total fp32 embedding weights in MB, one run per size (default: 64 256 1024)")
+                        help="total fp32 embedding weights in MiB, one model per size (default: 64 256 1024)")
     parser.add_argument("--backends", nargs="+", default=sorted(BACKENDS), choices=sorted(BACKENDS),
                         help="checkpoint backends to compare (default: all)")
     parser.add_argument("--embedding-dim", type=int, default=64, help="columns of every table (default: 64)")
@@ -94,7 +93,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--train-steps", type=int, default=2, help="training steps before checkpointing")
     parser.add_argument("--batch", type=int, default=256, help="global batch size of those steps")
     parser.add_argument("--tmp", default="/tmp", help="parent of the temporary checkpoint directory")
-    parser.add_argument("--quick", action="store_true", help="one tiny size (8 MB): a smoke test")
+    parser.add_argument("--quick", action="store_true", help="one tiny size (8 MiB): a smoke test")
     args = parser.parse_args()
     if args.quick:
         args.sizes_mb = [8]
@@ -110,7 +109,7 @@ def quiet() -> None:
 
 def rows_per_table(size_mb: int, embedding_dim: int) -> int:
     """Rows of each of the 26 tables so that their fp32 weights total ``size_mb``."""
-    return max(1, round(size_mb * MB / (NUM_SPARSE * embedding_dim * 4)))
+    return max(1, round(size_mb * MiB / (NUM_SPARSE * embedding_dim * 4)))
 
 
 def train(args: argparse.Namespace, size_mb: int) -> pl.Trainer:
@@ -127,7 +126,7 @@ def train(args: argparse.Namespace, size_mb: int) -> pl.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = DLRMModule(sizes, embedding_dim=args.embedding_dim, dense_arch_layer_sizes=[64, args.embedding_dim])
+    model = DLRMModule(sizes, embedding_dim=args.embedding_dim)
     data = DLRMDataModule(sizes, global_batch_size=args.batch, train_batches=args.train_steps, val_batches=0)
     trainer.fit(model, data)
     return trainer
@@ -212,7 +211,7 @@ def measure_size(args: argparse.Namespace, size_mb: int) -> list[Row]:
     try:
         nbytes = state_bytes(trainer)
         for repeat in range(args.repeats):
-            for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
+            for method in methods[repeat % len(methods) :] + methods[: repeat % len(methods)]:
                 path = root / f"{method}-{repeat}"
                 measure = measure_torch_save if method == TORCH_SAVE else partial(measure_backend, backend=method)
                 samples[method].append(measure(trainer, path=path))
@@ -221,7 +220,7 @@ def measure_size(args: argparse.Namespace, size_mb: int) -> list[Row]:
         remove(trainer, root)
     rows = [Row(size_mb, method, nbytes, *median(samples[method])) for method in methods]
     for row in rows:
-        progress(trainer, f"{size_mb} MB {row.method}: save {row.save_s:.2f} s, restore {row.restore_s:.2f} s")
+        progress(trainer, f"{size_mb} MiB {row.method}: save {row.save_s:.2f} s, restore {row.restore_s:.2f} s")
     return rows
 
 
@@ -241,18 +240,18 @@ def progress(trainer: pl.Trainer, message: str) -> None:
 
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     print(f"\nDLRoverStrategy checkpoints: {args.devices} ranks (gloo, CPU), 26 tables x {args.embedding_dim} columns, "
-          f"median of {args.repeats}.\nstate = model + fused optimizer state summed over ranks; "
-          f"x torch.save = time / the time of {TORCH_SAVE!r} (each rank saves/loads its local tensors).")
-    header = (f"{'emb MB':>7}{'state MB':>10}  {'method':<14}{'save s':>8}{'restore s':>10}{'save GB/s':>10}"
-              f"{'rest GB/s':>10}{'disk MB':>9}{'save x t.s':>11}{'rest x t.s':>11}")
+          f"median of {args.repeats}.\nemb: fp32 table weights; state: tables + fused optimizer state, summed over "
+          f"ranks; save/ts, rest/ts: time relative to {TORCH_SAVE} of each rank's local tensors.")
+    header = (f"{'emb MiB':>8}{'state MiB':>10}  {'method':<14}{'save s':>8}{'restore s':>10}{'save GB/s':>10}"
+              f"{'rest GB/s':>10}{'disk MiB':>9}{'save/ts':>9}{'rest/ts':>9}")
     print(header)
     print("-" * len(header))
     reference = {r.size_mb: r for r in rows if r.method == TORCH_SAVE}
     for r in rows:
         ref = reference[r.size_mb]
-        print(f"{r.size_mb:>7}{r.state_bytes / MB:>10.1f}  {r.method:<14}{r.save_s:>8.3f}{r.restore_s:>10.3f}"
+        print(f"{r.size_mb:>8}{r.state_bytes / MiB:>10.1f}  {r.method:<14}{r.save_s:>8.3f}{r.restore_s:>10.3f}"
               f"{r.state_bytes / GB / r.save_s:>10.2f}{r.state_bytes / GB / r.restore_s:>10.2f}"
-              f"{r.disk_bytes / MB:>9.1f}{r.save_s / ref.save_s:>11.2f}{r.restore_s / ref.restore_s:>11.2f}")
+              f"{r.disk_bytes / MiB:>9.1f}{r.save_s / ref.save_s:>9.2f}{r.restore_s / ref.restore_s:>9.2f}")
 
 
 def recommend(rows: list[Row]) -> str:
