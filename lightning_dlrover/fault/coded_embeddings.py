@@ -19,6 +19,7 @@ are again those of step ``s - 1``, and the lost ranks are decoded at that step. 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -96,8 +97,11 @@ class CodedEmbeddings:
         self.state.commit()
         self._pending.clear()
 
-    def commit_step(self, step: int) -> None:
-        """Sends this step's row deltas to their parity holders, folds in the ones received, and commits ``step``."""
+    def commit_step(self, step: int, before_vote: Callable[[], None] | None = None) -> None:
+        """Sends this step's row deltas to their parity holders, folds in the ones received, and commits ``step``.
+
+        ``before_vote`` runs after this rank applied its deltas and before the vote (a fault-injection point).
+        """
         r = self.placement.r
         meta: dict[int, list[Tensor]] = defaultdict(list)
         payload: dict[int, list[Tensor]] = defaultdict(list)
@@ -122,6 +126,8 @@ class CodedEmbeddings:
                 slots, deltas = records[mask, 3], self._slice_rows(got_data[src], records, mask, row_bytes)
                 self._apply(p, c, slots, deltas)
                 self._pending.append((p, c, slots, deltas))
+        if before_vote is not None:
+            before_vote()
         flag = torch.ones(1)
         dist.all_reduce(flag)  # the vote: reached by every rank only after applying its deltas
         self.state.commit()

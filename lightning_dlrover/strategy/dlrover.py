@@ -12,6 +12,7 @@ import logging
 import shutil
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -30,7 +31,7 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.keyed import KeyedOptimizer
 
 from lightning_dlrover.checkpoint import complete_sharded_state, get_backend, state_digest
-from lightning_dlrover.fault import CodedEmbeddings, CodedState, ParityConfig, ParityPlacement
+from lightning_dlrover.fault import CodedEmbeddings, CodedState, ParityConfig, ParityPlacement, ReplicatedSnapshot
 from lightning_dlrover.monitor import StepTimer
 from lightning_dlrover.strategy.sharding import (
     COMPUTE_KERNELS,
@@ -117,6 +118,10 @@ class DLRoverStrategy(DDPStrategy):
         self.step_timer = StepTimer()
         self._dmp: DistributedModelParallel | None = None
         self._coded: CodedEmbeddings | None = None
+        self._replicated = ReplicatedSnapshot(self._replicated_tensors)
+        #: Called as ``point(phase, step)`` at ``before_forward``, ``after_optimizer`` and ``during_parity_commit``
+        #: of every training step (see :class:`~lightning_dlrover.fault.FaultInjector`).
+        self.fault_points: list[Callable[[str, int], None]] = []
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -154,6 +159,7 @@ class DLRoverStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             if self.parity is not None and self._coded is None:
                 self._coded = self._encode_parity(self.parity)
+                self._replicated.take()
         self.setup_precision_plugin()
 
     def _encode_parity(self, config: ParityConfig) -> CodedEmbeddings:
@@ -167,12 +173,35 @@ class DLRoverStrategy(DDPStrategy):
         )
         return coded
 
+    def _replicated_tensors(self) -> list[torch.Tensor]:
+        """Dense parameters and dense optimizer state tensors, in a fixed order."""
+        tensors = []
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    tensors.append(param)
+                    tensors += [v for _, v in sorted(optimizer.state.get(param, {}).items()) if torch.is_tensor(v)]
+        return tensors
+
+    def _reach(self, phase: str) -> None:
+        step = self.lightning_module.trainer.global_step
+        for point in self.fault_points:
+            point(phase, step)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's training step, after the ``before_forward`` fault point."""
+        self._reach("before_forward")
+        return super().training_step(*args, **kwargs)
+
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Runs the step, then commits the embedding rows it changed into the parity (when parity is on)."""
+        """Runs the step, then commits the embedding rows and dense state it changed (when parity is on)."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._reach("after_optimizer")
         if self._coded is not None:
             with self.step_timer.section("parity"):
-                self._coded.commit_step(self.lightning_module.trainer.global_step + 1)
+                step = self.lightning_module.trainer.global_step + 1
+                self._coded.commit_step(step, before_vote=lambda: self._reach("during_parity_commit"))
+                self._replicated.take()
         return output
 
     def recover(self, lost_ranks: list[int]) -> None:
@@ -181,6 +210,7 @@ class DLRoverStrategy(DDPStrategy):
         if self._coded is None:
             raise RuntimeError("DLRoverStrategy.recover needs parity: pass DLRoverStrategy(parity=ParityConfig(...)).")
         self._coded.recover(sorted(set(lost_ranks)))
+        self._replicated.restore()
 
     def _shard(self, module: pl.LightningModule) -> DistributedModelParallel:
         """Plans the sharding of ``module``'s embedding tables and wraps it in ``DistributedModelParallel``."""
@@ -295,6 +325,12 @@ class DLRoverStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         """No-op: :meth:`load_checkpoint` already loaded the sharded model."""
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Loads the dense optimizers' state, which becomes the committed replicated state."""
+        super().load_optimizer_state_dict(checkpoint)
+        if self._coded is not None:
+            self._replicated.take()
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Removes a checkpoint directory (rank 0)."""
