@@ -19,7 +19,7 @@ def test_every_loss_pattern_decodes_exactly(tmp_path, devices, parity, drill, ba
     k, r = map(int, parity.split(","))
     assert f"DLRoverStrategy parity k={k} r={r}" in out
     for lost in drill.split():
-        assert f"drill lost=[{lost.replace(',', ', ')}]: recovered state matches" in out
+        assert f"drill after_batch lost=[{lost.replace(',', ', ')}]: recovered state matches" in out
     assert "DIFFERS" not in out
     assert digests(out)["end"] == plain["end"], "parity and recovery do not change training"
 
@@ -28,3 +28,14 @@ def test_parity_needs_enough_ranks(tmp_path):
     proc = train(tmp_path, "--devices", "2", "--steps", "2", "--parity", "2,1", check=False)
     assert proc.returncode != 0
     assert "ParityConfig(k=2, r=1) needs k + r = 3 distinct ranks per parity group, but the world size is 2" in proc.stdout
+
+
+@pytest.mark.parametrize("phase", ["before_forward", "after_optimizer", "during_parity_commit"])
+def test_loss_mid_step_recovers_the_committed_step(tmp_path, phase):
+    """A loss inside step 5 (after its embedding and dense updates, or after some parity deltas were
+    applied) recovers every rank to exactly the state committed at the end of step 4."""
+    out = train(tmp_path, "--devices", "3", "--steps", "7", "--parity", "2,1",
+                "--drill-at", "4", "--drill", "1 0", "--drill-phase", phase).stdout
+    assert f"drill {phase} lost=[1]: recovered state matches" in out
+    assert f"drill {phase} lost=[0]: recovered state matches" in out
+    assert "DIFFERS" not in out

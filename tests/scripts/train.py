@@ -18,17 +18,30 @@ SIZES = [300 + 37 * i for i in range(26)]
 
 
 class LossDrill(pl.Callback):
-    """At global step ``step``, wipes the coded state and parity of ``ranks``, recovers them, and prints
-    whether the state digest is the one before the wipe."""
+    """Simulates losing ``ranks`` in place: wipes their coded state and parity, recovers them, and prints
+    whether the state digest is that of the last committed step.
 
-    def __init__(self, step: int, ranks: list[list[int]]) -> None:
-        self.step, self.ranks = step, ranks
+    With ``phase="after_batch"`` the loss happens once step ``step`` is committed; with a strategy fault
+    phase (``before_forward``, ``after_optimizer``, ``during_parity_commit``) it happens inside the next
+    step, which recovery must roll back.
+    """
+
+    def __init__(self, step: int, ranks: list[list[int]], phase: str = "after_batch") -> None:
+        self.step, self.ranks, self.phase = step, ranks, phase
+        self.committed = None
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        trainer.strategy.fault_points.append(lambda phase, step: self._drill(trainer, phase, step))
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step != self.step:
+        if trainer.global_step == self.step:
+            self.committed = training_state_digest(trainer)
+            self._drill(trainer, "after_batch", self.step)
+
+    def _drill(self, trainer, phase: str, step: int) -> None:
+        if phase != self.phase or step != self.step or self.committed is None:
             return
         strategy = trainer.strategy
-        before = training_state_digest(trainer)
         for lost in self.ranks:
             if trainer.global_rank in lost:
                 for segment in strategy._coded.state.segments:
@@ -37,7 +50,8 @@ class LossDrill(pl.Callback):
             strategy.recover(lost)
             after = training_state_digest(trainer)
             if trainer.is_global_zero:
-                print(f"drill lost={lost}: recovered state {'matches' if after == before else 'DIFFERS'}", flush=True)
+                verdict = "matches" if after == self.committed else "DIFFERS"
+                print(f"drill {phase} lost={lost}: recovered state {verdict}", flush=True)
 
 
 def main() -> None:
@@ -56,6 +70,7 @@ def main() -> None:
     parser.add_argument("--parity", default=None, help="k,r")
     parser.add_argument("--drill-at", type=int, default=None)
     parser.add_argument("--drill", default="", help="rank sets lost one after another, e.g. 0 1 2 or 0,1 1,2")
+    parser.add_argument("--drill-phase", default="after_batch")
     args = parser.parse_args()
 
     pl.seed_everything(args.seed)
@@ -72,7 +87,8 @@ def main() -> None:
     )
     callbacks = [StateDigest(at_start=True)]
     if args.drill_at is not None:
-        callbacks.append(LossDrill(args.drill_at, [list(map(int, s.split(","))) for s in args.drill.split()]))
+        lost = [list(map(int, s.split(","))) for s in args.drill.split()]
+        callbacks.append(LossDrill(args.drill_at, lost, args.drill_phase))
     if args.monitor:
         callbacks.append(ThroughputMonitor(log_every_n_steps=5, warmup_steps=2))
     if args.ckpt_every:
