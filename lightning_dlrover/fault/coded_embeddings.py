@@ -27,11 +27,7 @@ from torch import Tensor
 
 from lightning_dlrover.fault.coded_state import CodedState
 from lightning_dlrover.fault.placement import ParityPlacement
-from lightning_dlrover.parity import ReedSolomonCode
-
-# Per delta record: parity index p, data position c, row bytes, row slot in the chunk.
-RECORD = 4
-
+from lightning_dlrover.parity import ReedSolomonCode, as_bytes
 
 def exchange(sends: dict[int, Tensor], dtype: torch.dtype) -> dict[int, Tensor]:
     """Point-to-point exchange of 1-D tensors: ``sends[dst]`` goes to ``dst``; returns what each rank sent here."""
@@ -102,28 +98,33 @@ class CodedEmbeddings:
 
         ``before_vote`` runs after this rank applied its deltas and before the vote (a fault-injection point).
         """
-        r = self.placement.r
-        meta: dict[int, list[Tensor]] = defaultdict(list)
+        headers: dict[int, list[Tensor]] = defaultdict(list)
         payload: dict[int, list[Tensor]] = defaultdict(list)
         for segment, rows, delta in self.state.step_deltas():
             chunks, slots = self.state.locate(segment, rows)
-            row_bytes = delta.shape[1]
-            for chunk in torch.unique(chunks).tolist():
-                mask = chunks == chunk
+            first, last = int(chunks.min()), int(chunks.max())
+            for chunk in range(first, last + 1):
+                if first == last:
+                    block_slots, block_delta = slots, delta
+                else:
+                    mask = chunks == chunk
+                    block_slots, block_delta = slots[mask], delta[mask]
+                if not len(block_slots):
+                    continue
                 group = self.placement.group_of_chunk(self.rank, chunk)
-                for p in range(r):
+                for p in range(self.placement.r):
                     dst = self.placement.parity_rank(group, p)
-                    n = int(mask.sum())
-                    fields = torch.tensor([p, chunk, row_bytes], dtype=torch.int64).expand(n, 3)
-                    meta[dst].append(torch.cat([fields, slots[mask, None]], dim=1).reshape(-1))
-                    payload[dst].append(delta[mask].reshape(-1))
-        got_meta = exchange({d: torch.cat(v) for d, v in meta.items()}, torch.int64)
-        got_data = exchange({d: torch.cat(v) for d, v in payload.items()}, torch.uint8)
-        for src, records in got_meta.items():
-            records = records.view(-1, RECORD)
-            for p, c, row_bytes in torch.unique(records[:, :3], dim=0).tolist():
-                mask = (records[:, 0] == p) & (records[:, 1] == c) & (records[:, 2] == row_bytes)
-                slots, deltas = records[mask, 3], self._slice_rows(got_data[src], records, mask, row_bytes)
+                    head = torch.tensor([p, chunk, block_delta.shape[1], len(block_slots)], dtype=torch.int64)
+                    headers[dst] += [head, block_slots]
+                    payload[dst].append(block_delta.reshape(-1))
+        messages = {dst: torch.cat([as_bytes(torch.cat(headers[dst])), *payload[dst]]) for dst in headers}
+        lengths = {dst: sum(h.numel() for h in headers[dst]) for dst in headers}
+        received = exchange(
+            {dst: torch.cat([as_bytes(torch.tensor([lengths[dst]], dtype=torch.int64)), msg]) for dst, msg in messages.items()},
+            torch.uint8,
+        )
+        for message in received.values():
+            for p, c, slots, deltas in self._blocks(message):
                 self._apply(p, c, slots, deltas)
                 self._pending.append((p, c, slots, deltas))
         if before_vote is not None:
@@ -135,12 +136,18 @@ class CodedEmbeddings:
         self.committed_step = step
 
     @staticmethod
-    def _slice_rows(data: Tensor, records: Tensor, mask: Tensor, row_bytes: int) -> Tensor:
-        """The delta bytes of the records selected by ``mask`` (records carry variable row sizes, packed in order)."""
-        sizes = records[:, 2]
-        starts = torch.cumsum(sizes, 0) - sizes
-        picked = starts[mask]
-        return data[(picked[:, None] + torch.arange(row_bytes)).reshape(-1)].view(-1, row_bytes)
+    def _blocks(message: Tensor) -> list[tuple[int, int, Tensor, Tensor]]:
+        """Parses a delta message: ``int64 H``, ``H`` int64 header words (per block ``p, c, row_bytes, n``
+        then ``n`` row slots), then the blocks' delta bytes in order. Returns ``(p, c, slots, deltas [n, row_bytes])``."""
+        words = int(message[:8].view(torch.int64))
+        header = message[8 : 8 + 8 * words].view(torch.int64)
+        data_at, at, blocks = 8 + 8 * words, 0, []
+        while at < words:
+            p, c, row_bytes, n = header[at : at + 4].tolist()
+            slots = header[at + 4 : at + 4 + n]
+            blocks.append((p, c, slots, message[data_at : data_at + n * row_bytes].view(n, row_bytes)))
+            at, data_at = at + 4 + n, data_at + n * row_bytes
+        return blocks
 
     def _apply(self, p: int, c: int, slots: Tensor, deltas: Tensor) -> None:
         self.code.update_rows(self.parity[p : p + 1], c, slots, deltas, parity_ids=[self.placement.k + p])

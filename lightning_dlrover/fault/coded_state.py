@@ -20,6 +20,9 @@ from torch import Tensor, nn
 from lightning_dlrover.parity import as_bytes
 
 
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 @dataclass(frozen=True)
 class Segment:
     """One coded tensor: ``tensor`` is a live 2-D or 1-D view ``[rows, ...]`` of a TorchRec buffer."""
@@ -92,6 +95,17 @@ class CodedState:
                     self.segments.append(Segment(f"{table.name}@{offsets}/state{s}", index, state))
         self.chunk_len = self._agree_chunk_len()
         self.pieces = self._layout(self.chunk_len)
+        self._segments_of_table: dict[int, list[int]] = {}
+        for index, seg in enumerate(self.segments):
+            self._segments_of_table.setdefault(seg.table, []).append(index)
+        self._piece_index = [
+            (
+                torch.tensor([p.row_lo for p in pieces], dtype=torch.int64),
+                torch.tensor([p.chunk for p in pieces], dtype=torch.int64),
+                torch.tensor([p.slot - p.row_lo for p in pieces], dtype=torch.int64),
+            )
+            for pieces in ([p for p in self.pieces if p.segment == i] for i in range(len(self.segments)))
+        ]
         self._touched: dict[int, Tensor] = {}
         self._undo: dict[int, tuple[Tensor, Tensor]] = {}
 
@@ -150,12 +164,9 @@ class CodedState:
 
     def locate(self, segment: int, rows: Tensor) -> tuple[Tensor, Tensor]:
         """Chunk index and row slot (units of the segment's ``row_bytes``) of each of ``rows`` (int64 [m])."""
-        pieces = [p for p in self.pieces if p.segment == segment]
-        bounds = torch.tensor([p.row_lo for p in pieces])
+        bounds, chunks, shifts = self._piece_index[segment]
         which = torch.searchsorted(bounds, rows, right=True) - 1
-        chunk = torch.tensor([p.chunk for p in pieces])[which]
-        slot = torch.tensor([p.slot - p.row_lo for p in pieces])[which] + rows
-        return chunk, slot
+        return chunks[which], shifts[which] + rows
 
     def _capture(self, kernel: nn.Module, first_table: int):
         """A forward pre-hook recording the rows ``kernel`` will update (its input ids, per table)."""
@@ -173,31 +184,35 @@ class CodedState:
         return hook
 
     def _touch(self, table: int, ids: Tensor) -> None:
-        """Records rows of ``table`` about to be updated and saves their current bytes (the undo log)."""
+        """Records rows of ``table`` about to be updated and saves their current values (the undo log)."""
         rows = torch.unique(ids.to(torch.int64))
-        if table in self._touched:
+        if table in self._touched:  # a second forward in the same step
             rows = rows[~torch.isin(rows, self._touched[table])]
             self._touched[table] = torch.cat([self._touched[table], rows])
         else:
             self._touched[table] = rows
-        for index, seg in enumerate(self.segments):
-            if seg.table == table and rows.numel():
-                old = seg.row_view()[rows].clone()
-                if index in self._undo:
-                    prev_rows, prev_old = self._undo[index]
-                    rows_all, old = torch.cat([prev_rows, rows]), torch.cat([prev_old, old])
-                    self._undo[index] = (rows_all, old)
-                else:
-                    self._undo[index] = (rows, old)
+        if not rows.numel():
+            return
+        for index in self._segments_of_table[table]:
+            old = self.segments[index].tensor.index_select(0, rows)
+            if index in self._undo:
+                prev_rows, prev_old = self._undo[index]
+                rows, old = torch.cat([prev_rows, rows]), torch.cat([prev_old, old])
+            self._undo[index] = (rows, old)
 
     def step_deltas(self) -> list[tuple[int, Tensor, Tensor]]:
         """``(segment, rows, old XOR new bytes [m, row_bytes])`` for every segment changed since :meth:`commit`."""
-        return [(index, rows, old ^ self.segments[index].row_view()[rows]) for index, (rows, old) in self._undo.items()]
+        deltas = []
+        for index, (rows, old) in self._undo.items():
+            new = self.segments[index].tensor.index_select(0, rows)
+            words = INT_OF_SIZE[old.element_size()]  # XOR whole elements: fewer, wider operations than bytes
+            deltas.append((index, rows, as_bytes((old.view(words) ^ new.view(words)).reshape(len(rows), -1))))
+        return deltas
 
     def rollback(self) -> None:
-        """Restores every row touched since :meth:`commit` to its committed bytes."""
+        """Restores every row touched since :meth:`commit` to its committed values."""
         for index, (rows, old) in self._undo.items():
-            self.segments[index].row_view()[rows] = old
+            self.segments[index].tensor.index_copy_(0, rows, old)
         self.commit()
 
     def commit(self) -> None:

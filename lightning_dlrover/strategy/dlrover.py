@@ -31,7 +31,14 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.keyed import KeyedOptimizer
 
 from lightning_dlrover.checkpoint import complete_sharded_state, get_backend, state_digest
-from lightning_dlrover.fault import CodedEmbeddings, CodedState, ParityConfig, ParityPlacement, ReplicatedSnapshot
+from lightning_dlrover.fault import (
+    CodedEmbeddings,
+    CodedState,
+    FaultInjector,
+    ParityConfig,
+    ParityPlacement,
+    ReplicatedSnapshot,
+)
 from lightning_dlrover.monitor import StepTimer
 from lightning_dlrover.strategy.sharding import (
     COMPUTE_KERNELS,
@@ -160,6 +167,8 @@ class DLRoverStrategy(DDPStrategy):
             if self.parity is not None and self._coded is None:
                 self._coded = self._encode_parity(self.parity)
                 self._replicated.take()
+            if (injector := FaultInjector.from_env()) is not None:  # LIGHTNING_DLROVER_FAULT=rank=R,step=S,phase=P
+                injector.attach(self)
         self.setup_precision_plugin()
 
     def _encode_parity(self, config: ParityConfig) -> CodedEmbeddings:

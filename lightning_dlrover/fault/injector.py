@@ -1,0 +1,150 @@
+"""``FaultInjector``: kills one rank of a ``DLRoverStrategy`` job at a chosen training step and phase.
+
+For tests, demos and failure drills. Install it as a callback (Python, or YAML/CLI)::
+
+    trainer:
+      callbacks:
+        - class_path: lightning_dlrover.fault.FaultInjector
+          init_args: {rank: 1, step: 5, phase: after_optimizer}
+
+or through the environment, which reaches every rank a launcher starts::
+
+    LIGHTNING_DLROVER_FAULT=rank=1,step=5,phase=after_optimizer[,signal=SIGTERM]
+
+``step=S`` is the 0-based index of a training step: the step that runs while ``trainer.global_step == S``,
+whose optimizer update is the ``S + 1``-th and leaves ``trainer.global_step == S + 1``. ``step=0`` is the
+first step of a fresh run; after resuming from a checkpoint at global step ``G``, the next step is ``G``.
+The phases of a step, in order:
+
+- ``before_forward``: before the LightningModule's ``training_step`` (nothing of step ``S`` has run).
+- ``after_optimizer``: after the dense optimizer step (the step's embedding and dense updates are applied;
+  with parity, nothing of the step is committed yet).
+- ``during_parity_commit``: inside the parity commit, after this rank sent its row deltas and folded in the
+  ones it received, before the vote that commits the step (needs ``DLRoverStrategy(parity=...)``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal as signals
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+
+#: Environment variable read by :meth:`FaultInjector.from_env`.
+FAULT_ENV = "LIGHTNING_DLROVER_FAULT"
+#: The fault points of a training step, in the order they are reached.
+PHASES = ("before_forward", "after_optimizer", "during_parity_commit")
+#: Signals the injector can send.
+SIGNALS = ("SIGKILL", "SIGTERM")
+ENV_FORMAT = "rank=R,step=S,phase=P[,signal=SIGKILL|SIGTERM]"
+
+
+class FaultInjector(pl.Callback):
+    """Sends ``signal`` to its own process on global rank ``rank`` at phase ``phase`` of training step ``step``.
+
+    Args:
+        rank: global rank to kill.
+        step: 0-based index of the training step: the one that runs while ``trainer.global_step == step``.
+        phase: ``"before_forward"``, ``"after_optimizer"`` or ``"during_parity_commit"`` (see the module docs).
+        signal: ``"SIGKILL"`` (the process dies at once, as on a lost machine) or ``"SIGTERM"`` (the process's
+            handlers run first: Lightning's stops the trainer on that rank).
+
+    As a callback, :meth:`setup` registers it in ``DLRoverStrategy.fault_points`` (without the callback:
+    :meth:`attach`); the strategy calls it as ``injector(phase, step)`` with ``step = trainer.global_step``.
+    Before the signal it prints ``FaultInjector: killing rank R (pid P) at step S, phase P with SIGNAL`` to stderr.
+    """
+
+    def __init__(self, rank: int, step: int, phase: str = "after_optimizer", signal: str = "SIGKILL") -> None:
+        if phase not in PHASES:
+            raise ValueError(f"FaultInjector phase={phase!r} is not one of {list(PHASES)}.")
+        if signal not in SIGNALS:
+            raise ValueError(f"FaultInjector signal={signal!r} is not one of {list(SIGNALS)}.")
+        for name, value in (("rank", rank), ("step", step)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"FaultInjector {name}={value!r} must be an integer >= 0.")
+        self.rank, self.step, self.phase, self.signal = rank, step, phase, signal
+
+    def __repr__(self) -> str:
+        return f"FaultInjector(rank={self.rank}, step={self.step}, phase={self.phase!r}, signal={self.signal!r})"
+
+    @classmethod
+    def from_env(cls, value: str | None = None) -> FaultInjector | None:
+        """The injector described by ``value`` (default: ``os.environ[FAULT_ENV]``); ``None`` if that is unset or blank.
+
+        The format is ``rank=R,step=S,phase=P`` with an optional ``,signal=SIGKILL|SIGTERM``, in any order.
+        """
+        if value is None:
+            value = os.environ.get(FAULT_ENV)
+        if value is None or not value.strip():
+            return None
+        source = f"{FAULT_ENV}={value!r}"
+        fields: dict[str, str] = {}
+        for item in value.split(","):
+            key, sep, field = (part.strip() for part in item.partition("="))
+            if not sep or not key or not field or "=" in field:
+                raise ValueError(f"{source}: {item.strip()!r} is not key=value; the format is {ENV_FORMAT}.")
+            if key not in ("rank", "step", "phase", "signal"):
+                raise ValueError(f"{source}: unknown key {key!r}; the format is {ENV_FORMAT}.")
+            if key in fields:
+                raise ValueError(f"{source}: {key!r} is given twice; the format is {ENV_FORMAT}.")
+            fields[key] = field
+        missing = [key for key in ("rank", "step", "phase") if key not in fields]
+        if missing:
+            raise ValueError(f"{source}: missing {', '.join(missing)}; the format is {ENV_FORMAT}.")
+        numbers = {}
+        for key in ("rank", "step"):
+            try:
+                numbers[key] = int(fields[key])
+            except ValueError:
+                message = f"{source}: {key}={fields[key]!r} is not an integer; the format is {ENV_FORMAT}."
+                raise ValueError(message) from None
+        try:
+            return cls(numbers["rank"], numbers["step"], fields["phase"], fields.get("signal", "SIGKILL"))
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+
+    def attach(self, strategy: Any) -> None:
+        """Adds this injector to ``strategy.fault_points`` (once), checking that the strategy reaches its phase."""
+        points = getattr(strategy, "fault_points", None)
+        if not isinstance(points, list):
+            raise TypeError(
+                f"{self!r} needs DLRoverStrategy, which calls its fault points during training; the trainer's "
+                f"strategy is {type(strategy).__name__}. Use Trainer(strategy=DLRoverStrategy(...))."
+            )
+        if self.phase == "during_parity_commit" and getattr(strategy, "parity", None) is None:
+            raise ValueError(
+                f"{self!r}: phase 'during_parity_commit' is only reached with parity on. Pass "
+                f"DLRoverStrategy(parity=ParityConfig(k, r)) or choose one of {[p for p in PHASES if p != self.phase]}."
+            )
+        if self.rank >= strategy.world_size:
+            raise ValueError(f"{self!r}: there is no rank {self.rank} at world size {strategy.world_size}.")
+        if self not in points:
+            points.append(self)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Registers this injector with the trainer's ``DLRoverStrategy`` (see :meth:`attach`)."""
+        if 0 <= trainer.max_steps <= self.step:
+            raise ValueError(
+                f"{self!r} would never fire: training stops at Trainer(max_steps={trainer.max_steps}), after the "
+                f"step with global_step {trainer.max_steps - 1}."
+            )
+        self.attach(trainer.strategy)
+
+    def __call__(self, phase: str, step: int) -> None:
+        """The fault point: kills this process if it is global rank ``rank`` at ``phase`` of training step ``step``."""
+        if phase != self.phase or step != self.step:
+            return
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if rank != self.rank:
+            return
+        pid = os.getpid()
+        sys.stdout.flush()
+        print(
+            f"FaultInjector: killing rank {rank} (pid {pid}) at step {step}, phase {phase} with {self.signal}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.kill(pid, getattr(signals, self.signal))

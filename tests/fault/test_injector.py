@@ -1,0 +1,226 @@
+"""``FaultInjector``: parsing and validation, and real multi-process jobs that lose a rank at each phase."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_dlrover import DLRoverStrategy, ParityConfig
+from lightning_dlrover.fault.injector import FAULT_ENV, FaultInjector
+from tests.conftest import REPO, digests
+
+KILL_JOB = REPO / "tests" / "fault" / "kill_job.py"
+JOB_TIMEOUT = 120
+
+
+def run_job(args: list[str], cwd: Path, fault: str | None) -> subprocess.CompletedProcess:
+    """Runs ``python *args`` in a new session with ``FAULT_ENV=fault``; returns stdout+stderr as ``.stdout``.
+
+    Every process of the job (the launcher and the ranks it starts) is killed afterwards, or after ``JOB_TIMEOUT``
+    seconds, at which the test fails.
+    """
+    dropped = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", FAULT_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    if fault is not None:
+        env[FAULT_ENV] = fault
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"`python {' '.join(args)}` with {FAULT_ENV}={fault} ran over {JOB_TIMEOUT}s:\n{out[-6000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # ranks left behind by the launcher
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+
+
+# --- parsing and validation -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("rank=1,step=5,phase=after_optimizer", (1, 5, "after_optimizer", "SIGKILL")),
+        (" phase=before_forward , step=0, rank=2 ", (2, 0, "before_forward", "SIGKILL")),
+        ("rank=0,step=3,phase=during_parity_commit,signal=SIGTERM", (0, 3, "during_parity_commit", "SIGTERM")),
+    ],
+)
+def test_parses_env_value(value, expected):
+    injector = FaultInjector.from_env(value)
+    assert (injector.rank, injector.step, injector.phase, injector.signal) == expected
+
+
+def test_reads_environment(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "rank=1,step=4,phase=before_forward")
+    assert repr(FaultInjector.from_env()) == "FaultInjector(rank=1, step=4, phase='before_forward', signal='SIGKILL')"
+    for unset in ("", "  "):
+        monkeypatch.setenv(FAULT_ENV, unset)
+        assert FaultInjector.from_env() is None
+    monkeypatch.delenv(FAULT_ENV)
+    assert FaultInjector.from_env() is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("rank=1,step=5", "missing phase; the format is rank=R,step=S,phase=P"),
+        ("rank=1;step=5;phase=before_forward", "is not key=value; the format is rank=R,step=S,phase=P"),
+        ("1,5,before_forward", "'1' is not key=value"),
+        ("rank=1,step=5,phase=", "'phase=' is not key=value"),
+        ("rank=1,step=5,phase=before_forward,when=now", "unknown key 'when'"),
+        ("rank=1,rank=2,step=5,phase=before_forward", "'rank' is given twice"),
+        ("rank=one,step=5,phase=before_forward", "rank='one' is not an integer"),
+        ("rank=1,step=5.5,phase=before_forward", "step='5.5' is not an integer"),
+        ("rank=-1,step=5,phase=before_forward", "rank=-1 must be an integer >= 0"),
+        ("rank=1,step=-2,phase=before_forward", "step=-2 must be an integer >= 0"),
+        ("rank=1,step=5,phase=backward", "phase='backward' is not one of ['before_forward', 'after_optimizer', "
+                                         "'during_parity_commit']"),
+        ("rank=1,step=5,phase=before_forward,signal=SIGINT", "signal='SIGINT' is not one of ['SIGKILL', 'SIGTERM']"),
+    ],
+)
+def test_bad_env_value(value, message):
+    with pytest.raises(ValueError) as err:
+        FaultInjector.from_env(value)
+    assert message in str(err.value)
+    assert f"{FAULT_ENV}={value!r}" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rank": 0, "step": 1, "phase": "after_backward"}, "phase='after_backward' is not one of ['before_forward'"),
+        ({"rank": -1, "step": 1}, "rank=-1 must be an integer >= 0"),
+        ({"rank": 0, "step": 2.0}, "step=2.0 must be an integer >= 0"),
+        ({"rank": True, "step": 1}, "rank=True must be an integer >= 0"),
+        ({"rank": 0, "step": 1, "signal": "KILL"}, "signal='KILL' is not one of ['SIGKILL', 'SIGTERM']"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        FaultInjector(**kwargs)
+    assert message in str(err.value)
+
+
+def trainer(strategy, devices: int = 3, **kwargs) -> pl.Trainer:
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False, **kwargs)
+
+
+def test_setup_registers_in_the_strategy_once():
+    strategy = DLRoverStrategy(parity=ParityConfig(2, 1))
+    injector = FaultInjector(2, 3, "during_parity_commit")
+    fit = trainer(strategy, max_steps=4)
+    for stage in ("fit", "validate"):
+        injector.setup(fit, None, stage)
+    assert strategy.fault_points == [injector]
+
+
+def test_setup_needs_dlrover_strategy():
+    with pytest.raises(TypeError, match=r"needs DLRoverStrategy, .* the trainer's strategy is DDPStrategy"):
+        FaultInjector(0, 1).setup(trainer("ddp"), None, "fit")
+
+
+def test_parity_commit_phase_needs_parity():
+    with pytest.raises(ValueError, match="phase 'during_parity_commit' is only reached with parity on"):
+        FaultInjector(0, 1, "during_parity_commit").setup(trainer(DLRoverStrategy()), None, "fit")
+
+
+def test_rank_and_step_must_be_reached():
+    with pytest.raises(ValueError, match="there is no rank 3 at world size 3"):
+        FaultInjector(3, 1).setup(trainer(DLRoverStrategy()), None, "fit")
+    with pytest.raises(ValueError, match=r"would never fire: training stops at Trainer\(max_steps=5\)"):
+        FaultInjector(1, 5).setup(trainer(DLRoverStrategy(), max_steps=5), None, "fit")
+
+
+@pytest.mark.parametrize(("sig", "returncode"), [("SIGKILL", -signal.SIGKILL), ("SIGTERM", -signal.SIGTERM)])
+def test_kills_its_process_only_at_its_point(tmp_path, sig, returncode):
+    """Without torch.distributed the process is rank 0; other phases, steps and ranks pass."""
+    script = textwrap.dedent(
+        f"""
+        import os
+        from lightning_dlrover.fault.injector import FaultInjector
+        print(f"pid {{os.getpid()}}", flush=True)
+        injector = FaultInjector(0, 3, "after_optimizer", {sig!r})
+        for phase, step in [("before_forward", 3), ("after_optimizer", 2), ("during_parity_commit", 3)]:
+            injector(phase, step)
+        FaultInjector(1, 3, "after_optimizer")("after_optimizer", 3)
+        print("passed the other points", flush=True)
+        injector("after_optimizer", 3)
+        print("still alive", flush=True)
+        """
+    )
+    proc = run_job(["-c", script], tmp_path, fault=None)
+    assert proc.returncode == returncode
+    assert "passed the other points" in proc.stdout and "still alive" not in proc.stdout
+    pid = re.search(r"^pid (\d+)$", proc.stdout, re.MULTILINE).group(1)
+    assert f"FaultInjector: killing rank 0 (pid {pid}) at step 3, phase after_optimizer with {sig}\n" in proc.stdout
+
+
+# --- real multi-process jobs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("phase", "devices", "parity"),
+    [("before_forward", 2, None), ("after_optimizer", 2, None), ("during_parity_commit", 3, "2,1")],
+)
+def test_env_var_kills_rank_in_a_job(tmp_path, phase, devices, parity):
+    args = [str(KILL_JOB), "--devices", str(devices), "--steps", "6"] + (["--parity", parity] if parity else [])
+    proc = run_job(args, tmp_path, fault=f"rank=1,step=3,phase={phase}")
+    assert proc.returncode != 0, proc.stdout[-4000:]
+    assert f"at step 3, phase {phase} with SIGKILL" in proc.stdout
+    killed = [line for line in proc.stdout.splitlines() if line.startswith("FaultInjector: killing")]
+    assert len(killed) == 1 and killed[0].startswith("FaultInjector: killing rank 1 (pid "), killed
+    assert not digests(proc.stdout), "training must not finish"
+
+
+@pytest.mark.slow
+def test_job_without_fault_finishes(tmp_path):
+    proc = run_job([str(KILL_JOB), "--devices", "2", "--steps", "4"], tmp_path, fault=None)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "FaultInjector" not in proc.stdout
+    assert "end" in digests(proc.stdout)
+
+
+@pytest.mark.slow
+def test_cli_callback_kills_rank(tmp_path):
+    """The injector configured as a LightningCLI callback, as in a YAML config."""
+    args = [
+        "-m", "lightning_dlrover", "fit",
+        "--config", str(REPO / "configs" / "demo.yaml"),
+        "--trainer.max_steps=6",
+        "--trainer.enable_progress_bar=false",
+        "--data.val_batches=0",
+        "--trainer.limit_val_batches=0",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks+=lightning_dlrover.fault.FaultInjector",
+        "--trainer.callbacks.rank=2",
+        "--trainer.callbacks.step=4",
+        "--trainer.callbacks.phase=during_parity_commit",
+    ]
+    proc = run_job(args, tmp_path, fault=None)
+    assert proc.returncode != 0, proc.stdout[-4000:]
+    assert "FaultInjector: killing rank 2 (pid " in proc.stdout
+    assert "at step 4, phase during_parity_commit with SIGKILL" in proc.stdout
+    assert not digests(proc.stdout)
+
