@@ -8,6 +8,7 @@ load into any world size.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import shutil
 from datetime import timedelta
@@ -56,6 +57,11 @@ from lightning_dlrover.strategy.sharding import (
 log = logging.getLogger(__name__)
 META_FILE = "meta.pt"
 SHARDED_DIR = "sharded"
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class DLRoverStrategy(DDPStrategy):
@@ -137,6 +143,13 @@ class DLRoverStrategy(DDPStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="TorchRec-sharded embeddings with DLRover fault tolerance"
             )
+
+    def setup_environment(self) -> None:
+        """Initialises the process group, and destroys it at interpreter exit."""
+        super().setup_environment()
+        # Left to interpreter shutdown, gloo's threads are sometimes destroyed while joinable, which aborts
+        # a finished process ("terminate called without an active exception"); an explicit destroy does not.
+        atexit.register(_destroy_process_group)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
