@@ -197,8 +197,9 @@ class CodedState:
             old = self.segments[index].tensor.index_select(0, rows)
             if index in self._undo:
                 prev_rows, prev_old = self._undo[index]
-                rows, old = torch.cat([prev_rows, rows]), torch.cat([prev_old, old])
-            self._undo[index] = (rows, old)
+                self._undo[index] = (torch.cat([prev_rows, rows]), torch.cat([prev_old, old]))
+            else:
+                self._undo[index] = (rows, old)
 
     def step_deltas(self) -> list[tuple[int, Tensor, Tensor]]:
         """``(segment, rows, old XOR new bytes [m, row_bytes])`` for every segment changed since :meth:`commit`."""
