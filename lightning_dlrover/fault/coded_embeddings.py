@@ -117,12 +117,11 @@ class CodedEmbeddings:
                     head = torch.tensor([p, chunk, block_delta.shape[1], len(block_slots)], dtype=torch.int64)
                     headers[dst] += [head, block_slots]
                     payload[dst].append(block_delta.reshape(-1))
-        messages = {dst: torch.cat([as_bytes(torch.cat(headers[dst])), *payload[dst]]) for dst in headers}
-        lengths = {dst: sum(h.numel() for h in headers[dst]) for dst in headers}
-        received = exchange(
-            {dst: torch.cat([as_bytes(torch.tensor([lengths[dst]], dtype=torch.int64)), msg]) for dst, msg in messages.items()},
-            torch.uint8,
-        )
+        messages = {}
+        for dst, head in headers.items():
+            words = torch.cat([torch.tensor([sum(h.numel() for h in head)], dtype=torch.int64), *head])
+            messages[dst] = torch.cat([as_bytes(words), *payload[dst]])
+        received = exchange(messages, torch.uint8)
         for message in received.values():
             for p, c, slots, deltas in self._blocks(message):
                 self._apply(p, c, slots, deltas)

@@ -205,9 +205,10 @@ class CodedState:
         """``(segment, rows, old XOR new bytes [m, row_bytes])`` for every segment changed since :meth:`commit`."""
         deltas = []
         for index, (rows, old) in self._undo.items():
-            new = self.segments[index].tensor.index_select(0, rows)
+            delta = self.segments[index].tensor.index_select(0, rows)
             words = INT_OF_SIZE[old.element_size()]  # XOR whole elements: fewer, wider operations than bytes
-            deltas.append((index, rows, as_bytes((old.view(words) ^ new.view(words)).reshape(len(rows), -1))))
+            delta.view(words).bitwise_xor_(old.view(words))
+            deltas.append((index, rows, as_bytes(delta.reshape(len(rows), -1))))
         return deltas
 
     def rollback(self) -> None:
