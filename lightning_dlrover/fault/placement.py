@@ -25,6 +25,10 @@ class ParityConfig:
     k: int = 2
     r: int = 1
 
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.r < 1:
+            raise ValueError(f"parity needs k >= 1 and r >= 1, got ParityConfig(k={self.k}, r={self.r}).")
+
 
 @dataclass(frozen=True)
 class ParityPlacement:

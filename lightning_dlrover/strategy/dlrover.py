@@ -113,18 +113,16 @@ class DLRoverStrategy(DDPStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
-        check_choices("sharding_types", sharding_types, SHARDING_TYPES)
-        check_choices("compute_kernel", [compute_kernel], COMPUTE_KERNELS)
-        for table, constraint in (constraints or {}).items():
-            if isinstance(constraint, dict):
-                constraint = TableConstraint(**constraint)
-            check_choices(f"constraints.{table}.sharding_types", constraint.sharding_types, SHARDING_TYPES)
-            check_choices(f"constraints.{table}.compute_kernels", constraint.compute_kernels, COMPUTE_KERNELS)
         self.sharding_types = sharding_types
         self.compute_kernel = compute_kernel
         self.constraints = {
             table: TableConstraint(**c) if isinstance(c, dict) else c for table, c in (constraints or {}).items()
         }
+        check_choices("sharding_types", sharding_types, SHARDING_TYPES)
+        check_choices("compute_kernel", [compute_kernel], COMPUTE_KERNELS)
+        for table, constraint in self.constraints.items():
+            check_choices(f"constraints.{table}.sharding_types", constraint.sharding_types, SHARDING_TYPES)
+            check_choices(f"constraints.{table}.compute_kernels", constraint.compute_kernels, COMPUTE_KERNELS)
         self.checkpoint_backend = get_backend(checkpoint_backend)
         self.print_digest = print_digest
         self.parity = ParityConfig(**parity) if isinstance(parity, dict) else parity

@@ -30,3 +30,10 @@ def test_placement_is_balanced_and_tolerates_r_losses(world_size, k, r):
 def test_impossible_settings_are_rejected(world_size, k, r, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
         ParityPlacement(world_size, k, r)
+
+
+def test_parity_config_rejects_nonpositive_values():
+    from lightning_dlrover import ParityConfig
+
+    with pytest.raises(ValueError, match=r"got ParityConfig\(k=2, r=0\)"):
+        ParityConfig(k=2, r=0)
