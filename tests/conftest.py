@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,22 +16,41 @@ TRAIN_SCRIPT = REPO / "tests" / "scripts" / "train.py"
 DIGEST = re.compile(r"^state digest(?: at step (\d+))?: ([0-9a-f]{64})$", re.MULTILINE)
 
 
-def run(args: list[str], cwd: Path, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """Runs ``python *args`` in ``cwd`` with the repository importable; returns stdout+stderr as ``.stdout``."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
+def run(
+    args: list[str],
+    cwd: Path,
+    timeout: int = 300,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    program: list[str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Runs ``program + args`` (default ``python *args``) in ``cwd`` with the repository importable, in a new
+    session; returns stdout+stderr as ``.stdout``.
+
+    Every process of the job (the launcher and the ranks it starts) is killed when it returns or after
+    ``timeout`` seconds, so a hung rank never outlives its test. ``env`` adds environment variables.
+    """
+    dropped = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LIGHTNING_DLROVER_FAULT")
+    full_env = {k: v for k, v in os.environ.items() if k not in dropped}
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
+    full_env.update(env or {})
+    command = [*(program or [sys.executable]), *map(str, args)]
+    proc = subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"`{' '.join(command)}` ran over {timeout}s:\n{out[-6000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     if check and proc.returncode != 0:
-        pytest.fail(f"`python {' '.join(args)}` exited {proc.returncode}:\n{proc.stdout[-6000:]}")
-    return proc
+        pytest.fail(f"`{' '.join(command)}` exited {proc.returncode}:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out)
 
 
 def train(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:

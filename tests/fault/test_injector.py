@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -15,44 +13,15 @@ import pytest
 
 from lightning_dlrover import DLRoverStrategy, ParityConfig
 from lightning_dlrover.fault.injector import FAULT_ENV, FaultInjector
-from tests.conftest import REPO, digests
+from tests.conftest import REPO, digests, run
 
 KILL_JOB = REPO / "tests" / "fault" / "kill_job.py"
 JOB_TIMEOUT = 120
 
 
 def run_job(args: list[str], cwd: Path, fault: str | None) -> subprocess.CompletedProcess:
-    """Runs ``python *args`` in a new session with ``FAULT_ENV=fault``; returns stdout+stderr as ``.stdout``.
-
-    Every process of the job (the launcher and the ranks it starts) is killed afterwards, or after ``JOB_TIMEOUT``
-    seconds, at which the test fails.
-    """
-    dropped = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", FAULT_ENV)
-    env = {k: v for k, v in os.environ.items() if k not in dropped}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    if fault is not None:
-        env[FAULT_ENV] = fault
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"`python {' '.join(args)}` with {FAULT_ENV}={fault} ran over {JOB_TIMEOUT}s:\n{out[-6000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # ranks left behind by the launcher
-        except ProcessLookupError:
-            pass
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+    """Runs ``python *args`` with ``FAULT_ENV=fault`` (when given); fails the test after ``JOB_TIMEOUT`` seconds."""
+    return run(args, cwd, timeout=JOB_TIMEOUT, check=False, env={FAULT_ENV: fault} if fault is not None else None)
 
 
 # --- parsing and validation -------------------------------------------------------------------------------------

@@ -2,10 +2,6 @@
 
 import csv
 import json
-import os
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -18,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_dlrover.monitor import StepTimer, ThroughputMonitor
 from lightning_dlrover.monitor.throughput import _infer_batch_size
+from tests.conftest import run
 
 BATCH_SIZE = 8
 
@@ -251,12 +248,7 @@ if __name__ == "__main__":
 def test_ddp_global_throughput_is_sum_of_ranks(tmp_path: Path) -> None:
     script = tmp_path / "train_ddp.py"
     script.write_text(DDP_SCRIPT.format(test_dir=str(Path(__file__).parent), out=str(tmp_path)))
-    pythonpath = os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": pythonpath}
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run([script], tmp_path, timeout=180)
 
     summaries = [json.loads((tmp_path / f"summary_rank{r}.json").read_text()) for r in range(2)]
     assert summaries[0] == summaries[1]  # every rank holds the gathered summary
