@@ -1,11 +1,20 @@
 """Sharded checkpoint backends and the sharding-independent state digest."""
 
-from lightning_dlrover.checkpoint.backends import BACKENDS, CheckpointBackend, DCPBackend, TorchSnapshotBackend, get_backend
+from lightning_dlrover.checkpoint.backends import (
+    BACKENDS,
+    CheckpointBackend,
+    DCPBackend,
+    TorchSnapshotBackend,
+    get_backend,
+)
 from lightning_dlrover.checkpoint.digest import state_digest
 from lightning_dlrover.checkpoint.sharded import complete_sharded_state, flatten
 
 __all__ = [
-    "BACKENDS", "CheckpointBackend", "DCPBackend", "TorchSnapshotBackend",
+    "BACKENDS",
+    "CheckpointBackend",
+    "DCPBackend",
+    "TorchSnapshotBackend",
     "complete_sharded_state",
     "flatten",
     "get_backend",

@@ -63,18 +63,19 @@ class CodedEmbeddings:
         self._pending: list[tuple[int, int, Tensor, Tensor]] = []
         self.encode()
 
-    def _group_chunks(self, holders: dict[int, list[tuple[int, int]]]) -> dict[int, Tensor]:
-        """Sends each listed (group, index) holder the group's data chunks held here; returns chunks received by source."""
+    def _group_chunks(self, holders: list[int]) -> dict[int, Tensor]:
+        """Sends each rank in ``holders`` the data chunks held here of the groups it holds parity of;
+        returns the chunks received, concatenated per source rank."""
         sends: dict[int, list[Tensor]] = defaultdict(list)
-        for dst, held in holders.items():
-            for group, _ in held:
+        for dst in holders:
+            for group, _ in self.placement.parity_held(dst):
                 for c in range(self.placement.k):
                     if self.placement.data_rank(group, c) == self.rank:
                         sends[dst].append(self.state.read_chunk(c))
         return exchange({d: torch.cat(t) for d, t in sends.items()}, torch.uint8)
 
-    def _encode_held(self, indices: list[int], received: dict[int, Tensor]) -> None:
-        """Re-encodes parity rows ``indices`` from group data chunks received by :meth:`_group_chunks`."""
+    def _encode_held(self, received: dict[int, Tensor]) -> None:
+        """Encodes this rank's parity rows from the group data chunks received by :meth:`_group_chunks`."""
         offsets: dict[int, int] = defaultdict(int)
         for group, p in self.placement.parity_held(self.rank):
             data = []
@@ -82,14 +83,11 @@ class CodedEmbeddings:
                 src, at = self.placement.data_rank(group, c), offsets[self.placement.data_rank(group, c)]
                 data.append(received[src][at : at + self.state.chunk_len])
                 offsets[src] += self.state.chunk_len
-            if p in indices:
-                self.code.encode(torch.stack(data), parity_ids=[self.placement.k + p], out=self.parity[p : p + 1])
+            self.code.encode(torch.stack(data), parity_ids=[self.placement.k + p], out=self.parity[p : p + 1])
 
     def encode(self) -> None:
         """Encodes all parity from scratch (start-up and after a checkpoint restore)."""
-        world = self.placement.world_size
-        received = self._group_chunks({d: self.placement.parity_held(d) for d in range(world)})
-        self._encode_held(list(range(self.placement.r)), received)
+        self._encode_held(self._group_chunks(list(range(self.placement.world_size))))
         self.state.commit()
         self._pending.clear()
 
@@ -172,13 +170,13 @@ class CodedEmbeddings:
         self.rollback()
         plan = self._decode_plan(lost)
         sends: dict[int, list[Tensor]] = defaultdict(list)
-        for dst, _, _, sources in plan:
+        for dst, _, sources in plan:
             for src, shard in sources:
                 if src == self.rank:
                     sends[dst].append(self.state.read_chunk(shard) if shard < k else self.parity[shard - k])
         received = exchange({d: torch.cat(t) for d, t in sends.items()}, torch.uint8)
         offsets: dict[int, int] = defaultdict(int)
-        for dst, _, chunk, sources in plan:
+        for dst, chunk, sources in plan:
             if dst != self.rank:
                 continue
             shards = {}
@@ -187,14 +185,13 @@ class CodedEmbeddings:
                 offsets[src] += self.state.chunk_len
             self.state.write_chunk(chunk, self.code.reconstruct(shards, [chunk])[0])
         # The lost ranks' own parity shares are re-encoded from the (now complete) data.
-        holders = {d: self.placement.parity_held(d) for d in lost}
-        received = self._group_chunks(holders)
+        received = self._group_chunks(lost)
         if self.rank in lost:
-            self._encode_held(list(range(r)), received)
+            self._encode_held(received)
         self.state.commit()
 
-    def _decode_plan(self, lost: list[int]) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
-        """``(lost rank, group, chunk, [(source rank, code shard id)] * k)`` for every lost data chunk.
+    def _decode_plan(self, lost: list[int]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """``(lost rank, chunk, [(source rank, code shard id)] * k)`` for every lost data chunk.
 
         A data shard ``c`` of a group is chunk ``c`` of its data rank; a parity shard ``k + p`` is row ``p``
         of its parity rank's ``parity``. The same plan is computed on every rank.
@@ -202,8 +199,7 @@ class CodedEmbeddings:
         plan = []
         for rank in lost:
             for chunk in range(self.placement.k):
-                group = self.placement.group_of_chunk(rank, chunk)
-                members = self.placement.members(group)
+                members = self.placement.members(self.placement.group_of_chunk(rank, chunk))
                 sources = [(m, shard) for shard, m in enumerate(members) if m not in lost][: self.placement.k]
-                plan.append((rank, group, chunk, sources))
+                plan.append((rank, chunk, sources))
         return plan

@@ -80,11 +80,10 @@ class CodedState:
 
     def __init__(self, module: nn.Module, k: int) -> None:
         self.k = k
-        self.kernels = fused_embedding_kernels(module)
         self.segments: list[Segment] = []
         self._hooks = []
         num_tables = 0
-        for kernel in self.kernels:
+        for kernel in fused_embedding_kernels(module):
             self._hooks.append(kernel.register_forward_pre_hook(self._capture(kernel, first_table=num_tables)))
             states = kernel._emb_module.split_optimizer_states()
             for table, weight, table_states in zip(kernel.config.embedding_tables, kernel.split_embedding_weights(), states):
@@ -106,8 +105,9 @@ class CodedState:
             )
             for pieces in ([p for p in self.pieces if p.segment == i] for i in range(len(self.segments)))
         ]
+        # Rows of each table touched since the last commit, and each segment's committed values of them.
         self._touched: dict[int, Tensor] = {}
-        self._undo: dict[int, tuple[Tensor, Tensor]] = {}
+        self._undo: dict[int, Tensor] = {}
 
     @property
     def num_bytes(self) -> int:
@@ -122,7 +122,7 @@ class CodedState:
         align = math.lcm(1, *(size for sizes in gathered for size in sizes))
         chunk_len = math.ceil(self.num_bytes / self.k / align) * align or align
         step = max(align, math.ceil(len(self.segments) * max(row_sizes, default=1) / self.k / align) * align)
-        while self._layout(chunk_len)[-1:] and self._layout(chunk_len)[-1].chunk >= self.k:
+        while (pieces := self._layout(chunk_len)) and pieces[-1].chunk >= self.k:
             chunk_len += step  # row alignment and chunk ends leave padding
         agreed = torch.tensor([chunk_len], dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -195,16 +195,13 @@ class CodedState:
             return
         for index in self._segments_of_table[table]:
             old = self.segments[index].tensor.index_select(0, rows)
-            if index in self._undo:
-                prev_rows, prev_old = self._undo[index]
-                self._undo[index] = (torch.cat([prev_rows, rows]), torch.cat([prev_old, old]))
-            else:
-                self._undo[index] = (rows, old)
+            self._undo[index] = torch.cat([self._undo[index], old]) if index in self._undo else old
 
     def step_deltas(self) -> list[tuple[int, Tensor, Tensor]]:
         """``(segment, rows, old XOR new bytes [m, row_bytes])`` for every segment changed since :meth:`commit`."""
         deltas = []
-        for index, (rows, old) in self._undo.items():
+        for index, old in self._undo.items():
+            rows = self._touched[self.segments[index].table]
             delta = self.segments[index].tensor.index_select(0, rows)
             words = INT_OF_SIZE[old.element_size()]  # XOR whole elements: fewer, wider operations than bytes
             delta.view(words).bitwise_xor_(old.view(words))
@@ -213,8 +210,8 @@ class CodedState:
 
     def rollback(self) -> None:
         """Restores every row touched since :meth:`commit` to its committed values."""
-        for index, (rows, old) in self._undo.items():
-            self.segments[index].tensor.index_copy_(0, rows, old)
+        for index, old in self._undo.items():
+            self.segments[index].tensor.index_copy_(0, self._touched[self.segments[index].table], old)
         self.commit()
 
     def commit(self) -> None:
