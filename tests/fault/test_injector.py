@@ -13,9 +13,10 @@ import pytest
 
 from lightning_dlrover import DLRoverStrategy, ParityConfig
 from lightning_dlrover.fault.injector import FAULT_ENV, FaultInjector
-from tests.conftest import REPO, digests, run
+from tests.conftest import REPO, TRAIN_SCRIPT, digests, run
 
-KILL_JOB = REPO / "tests" / "fault" / "kill_job.py"
+# A short process-group timeout bounds how long the surviving ranks wait for a killed one.
+KILL_JOB = [str(TRAIN_SCRIPT), "--pg-timeout", "20", "--no-step-digests"]
 JOB_TIMEOUT = 120
 
 
@@ -154,7 +155,7 @@ def test_kills_its_process_only_at_its_point(tmp_path, sig, returncode):
     [("before_forward", 2, None), ("after_optimizer", 2, None), ("during_parity_commit", 3, "2,1")],
 )
 def test_env_var_kills_rank_in_a_job(tmp_path, phase, devices, parity):
-    args = [str(KILL_JOB), "--devices", str(devices), "--steps", "6"] + (["--parity", parity] if parity else [])
+    args = [*KILL_JOB, "--devices", str(devices), "--steps", "6"] + (["--parity", parity] if parity else [])
     proc = run_job(args, tmp_path, fault=f"rank=1,step=3,phase={phase}")
     assert proc.returncode != 0, proc.stdout[-4000:]
     assert f"at step 3, phase {phase} with SIGKILL" in proc.stdout
@@ -165,7 +166,7 @@ def test_env_var_kills_rank_in_a_job(tmp_path, phase, devices, parity):
 
 @pytest.mark.slow
 def test_job_without_fault_finishes(tmp_path):
-    proc = run_job([str(KILL_JOB), "--devices", "2", "--steps", "4"], tmp_path, fault=None)
+    proc = run_job([*KILL_JOB, "--devices", "2", "--steps", "4"], tmp_path, fault=None)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "FaultInjector" not in proc.stdout
     assert "end" in digests(proc.stdout)

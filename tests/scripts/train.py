@@ -5,6 +5,7 @@ for every rank, so it must stay importable as a plain script.
 """
 
 import argparse
+from datetime import timedelta
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -71,6 +72,8 @@ def main() -> None:
     parser.add_argument("--drill-at", type=int, default=None)
     parser.add_argument("--drill", default="", help="rank sets lost one after another, e.g. 0 1 2 or 0,1 1,2")
     parser.add_argument("--drill-phase", default="after_batch")
+    parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout in seconds")
+    parser.add_argument("--no-step-digests", action="store_true", help="print only the final digest")
     args = parser.parse_args()
 
     pl.seed_everything(args.seed)
@@ -84,8 +87,9 @@ def main() -> None:
         constraints=constraints,
         checkpoint_backend=args.backend,
         parity=ParityConfig(*map(int, args.parity.split(","))) if args.parity else None,
+        **({"timeout": timedelta(seconds=args.pg_timeout)} if args.pg_timeout else {}),
     )
-    callbacks = [StateDigest(at_start=True)]
+    callbacks = [] if args.no_step_digests else [StateDigest(at_start=True)]
     if args.drill_at is not None:
         lost = [list(map(int, s.split(","))) for s in args.drill.split()]
         callbacks.append(LossDrill(args.drill_at, lost, args.drill_phase))
