@@ -5,11 +5,14 @@ Commit protocol (one training step ``s``; ``committed_step`` is ``s - 1`` before
 1. Forward: a pre-hook on every fused embedding kernel records the rows it will update and saves their
    bytes (weights and optimizer state) in the rank's undo log, before the in-backward optimizer runs.
 2. Backward and optimizer step update those rows in place.
-3. :meth:`CodedEmbeddings.commit_step`: every rank sends ``old XOR new`` of its touched rows, tagged with
+3. :meth:`CodedEmbeddings.send_deltas`: every rank sends ``old XOR new`` of its touched rows, tagged with
    ``s``, to the parity holders of their groups; each holder folds them into its parity and keeps them
    as its own undo log (XOR is its own inverse).
-4. A vote (an all-reduce) that every rank reaches only after applying every delta it received. When it
-   completes, step ``s`` is committed: undo logs are dropped and ``committed_step = s``.
+4. :meth:`CodedEmbeddings.commit`: a vote (an all-reduce) that every rank reaches only after applying every
+   delta it received. When it completes, step ``s`` is committed: undo logs are dropped and
+   ``committed_step = s``. ``DLRoverStrategy`` votes at the end of the training batch, after every callback's
+   ``on_train_batch_end`` (checkpoints included), together with a snapshot of the trainer's state, so the
+   committed embedding rows, dense state, loop progress and data position always belong to the same step.
 
 A failure before the vote completes leaves step ``s`` uncommitted everywhere; :meth:`rollback` undoes
 it on the survivors (rows restored from the undo log, received deltas re-applied), so data and parity
@@ -19,8 +22,6 @@ are again those of step ``s - 1``, and the lost ranks are decoded at that step. 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -91,10 +92,10 @@ class CodedEmbeddings:
         self.state.commit()
         self._pending.clear()
 
-    def commit_step(self, step: int, before_vote: Callable[[], None] | None = None) -> None:
-        """Sends this step's row deltas to their parity holders, folds in the ones received, and commits ``step``.
+    def send_deltas(self) -> None:
+        """Sends this step's row deltas to their parity holders and folds in the ones received (collective).
 
-        ``before_vote`` runs after this rank applied its deltas and before the vote (a fault-injection point).
+        The step stays undoable (:meth:`rollback`) until :meth:`commit`.
         """
         headers: dict[int, list[Tensor]] = defaultdict(list)
         payload: dict[int, list[Tensor]] = defaultdict(list)
@@ -124,10 +125,11 @@ class CodedEmbeddings:
             for p, c, slots, deltas in self._blocks(message):
                 self._apply(p, c, slots, deltas)
                 self._pending.append((p, c, slots, deltas))
-        if before_vote is not None:
-            before_vote()
+
+    def commit(self, step: int) -> None:
+        """The vote (an all-reduce, reached by every rank only after :meth:`send_deltas`): commits ``step``."""
         flag = torch.ones(1)
-        dist.all_reduce(flag)  # the vote: reached by every rank only after applying its deltas
+        dist.all_reduce(flag)
         self.state.commit()
         self._pending.clear()
         self.committed_step = step

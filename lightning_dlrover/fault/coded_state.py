@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from lightning_dlrover.checkpoint.sharded import flatten
 from lightning_dlrover.parity import as_bytes
 
 
@@ -45,6 +47,25 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class SegmentSpec:
+    """Where a segment sits in the training state, independent of the rank and plan that hold it.
+
+    ``key`` is the path of its ``ShardedTensor`` in ``{"model": state_dict, "fused_optimizer": state}``;
+    the segment is the shard at ``offsets`` with ``sizes`` of that tensor (global shape ``global_size``).
+    """
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_size: tuple[int, ...]
+    row_bytes: int
+
+    @property
+    def rows(self) -> int:
+        return self.sizes[0]
+
+
+@dataclass(frozen=True)
 class Piece:
     """Rows ``[row_lo, row_hi)`` of a segment stored in ``chunk`` from row slot ``slot`` (in units of row_bytes)."""
 
@@ -53,6 +74,39 @@ class Piece:
     row_hi: int
     chunk: int
     slot: int
+
+
+def chunk_layout(specs: list[SegmentSpec], chunk_len: int) -> list[Piece]:
+    """Places every segment's rows in chunks of ``chunk_len`` bytes (see the module docstring)."""
+    pieces, chunk, pos = [], 0, 0
+    for index, spec in enumerate(specs):
+        row = 0
+        while row < spec.rows:
+            pos = math.ceil(pos / spec.row_bytes) * spec.row_bytes
+            fit = min(spec.rows - row, (chunk_len - pos) // spec.row_bytes)
+            if fit == 0:
+                chunk, pos = chunk + 1, 0
+                continue
+            pieces.append(Piece(index, row, row + fit, chunk, pos // spec.row_bytes))
+            row, pos = row + fit, pos + fit * spec.row_bytes
+    return pieces
+
+
+def _shard_specs(module: nn.Module) -> dict[int, SegmentSpec]:
+    """``SegmentSpec`` of every local shard of the model's and fused optimizer's ``ShardedTensor``s, by data pointer.
+
+    TorchRec's state dicts hold views of the fused kernels' buffers, so a segment is found by its address.
+    """
+    state = {"model": module.state_dict(), "fused_optimizer": module.fused_optimizer.state_dict()["state"]}
+    specs = {}
+    for key, value in flatten(state):
+        for shard in value.local_shards() if isinstance(value, ShardedTensor) else []:
+            tensor, meta = shard.tensor, shard.metadata
+            row_bytes = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+            specs[tensor.data_ptr()] = SegmentSpec(
+                key, tuple(meta.shard_offsets), tuple(meta.shard_sizes), tuple(value.size()), row_bytes
+            )
+    return specs
 
 
 def fused_embedding_kernels(module: nn.Module) -> list[nn.Module]:
@@ -92,8 +146,13 @@ class CodedState:
                 self.segments.append(Segment(f"{table.name}@{offsets}/weight", index, weight))
                 for s, state in enumerate(table_states):
                     self.segments.append(Segment(f"{table.name}@{offsets}/state{s}", index, state))
+        by_address = _shard_specs(module)
+        self.specs = [self._spec(seg, by_address) for seg in self.segments]
+        #: Every rank's segment specs, by rank (a recovery needs the layout of lost ranks).
+        self.layouts: list[list[SegmentSpec]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(self.layouts, self.specs)
         self.chunk_len = self._agree_chunk_len()
-        self.pieces = self._layout(self.chunk_len)
+        self.pieces = chunk_layout(self.specs, self.chunk_len)
         self._segments_of_table: dict[int, list[int]] = {}
         for index, seg in enumerate(self.segments):
             self._segments_of_table.setdefault(seg.table, []).append(index)
@@ -109,6 +168,18 @@ class CodedState:
         self._touched: dict[int, Tensor] = {}
         self._undo: dict[int, Tensor] = {}
 
+    @staticmethod
+    def _spec(segment: Segment, by_address: dict[int, SegmentSpec]) -> SegmentSpec:
+        if not segment.rows:
+            return SegmentSpec(segment.name, (0,), (0,), (0,), 0)
+        spec = by_address.get(segment.tensor.data_ptr())
+        if spec is None or spec.rows != segment.rows or spec.row_bytes != segment.row_bytes:
+            raise RuntimeError(
+                f"Embedding segment {segment.name} is not a shard of the model's or fused optimizer's state dict; "
+                "this TorchRec kernel does not expose its buffers as state-dict views, which parity coding needs."
+            )
+        return spec
+
     @property
     def num_bytes(self) -> int:
         """Bytes of coded state on this rank."""
@@ -117,31 +188,14 @@ class CodedState:
     def _agree_chunk_len(self) -> int:
         """The smallest chunk length, a multiple of every rank's row sizes, that fits every rank's rows in ``k`` chunks."""
         row_sizes = sorted({s.row_bytes for s in self.segments if s.rows})
-        gathered: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(gathered, row_sizes)
-        align = math.lcm(1, *(size for sizes in gathered for size in sizes))
+        align = math.lcm(1, *(spec.row_bytes for specs in self.layouts for spec in specs if spec.rows))
         chunk_len = math.ceil(self.num_bytes / self.k / align) * align or align
         step = max(align, math.ceil(len(self.segments) * max(row_sizes, default=1) / self.k / align) * align)
-        while (pieces := self._layout(chunk_len)) and pieces[-1].chunk >= self.k:
+        while (pieces := chunk_layout(self.specs, chunk_len)) and pieces[-1].chunk >= self.k:
             chunk_len += step  # row alignment and chunk ends leave padding
         agreed = torch.tensor([chunk_len], dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         return int(agreed)
-
-    def _layout(self, chunk_len: int) -> list[Piece]:
-        """Places every segment's rows in chunks of ``chunk_len`` bytes (see the module docstring)."""
-        pieces, chunk, pos = [], 0, 0
-        for index, seg in enumerate(self.segments):
-            row = 0
-            while row < seg.rows:
-                pos = math.ceil(pos / seg.row_bytes) * seg.row_bytes
-                fit = min(seg.rows - row, (chunk_len - pos) // seg.row_bytes)
-                if fit == 0:
-                    chunk, pos = chunk + 1, 0
-                    continue
-                pieces.append(Piece(index, row, row + fit, chunk, pos // seg.row_bytes))
-                row, pos = row + fit, pos + fit * seg.row_bytes
-        return pieces
 
     def read_chunk(self, chunk: int) -> Tensor:
         """A copy of chunk ``chunk``: uint8 ``[chunk_len]`` (padding bytes are zero)."""

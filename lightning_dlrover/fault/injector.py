@@ -10,6 +10,12 @@ For tests, demos and failure drills. Install it as a callback (Python, or YAML/C
 or through the environment, which reaches every rank a launcher starts::
 
     LIGHTNING_DLROVER_FAULT=rank=1,step=5,phase=after_optimizer[,signal=SIGTERM]
+    LIGHTNING_DLROVER_FAULT=step=5,phase=after_optimizer,target=node   # set on one torchrun agent only
+
+``target=node`` takes down the whole node as a lost machine would: the first worker that reaches the point
+SIGKILLs its ``torchrun`` agent (its parent process), the agent's other workers, then itself. A job that
+resumed from a failure (``DLRoverStrategy.recovered``) never fires again, so the restarted workers, which
+inherit the same environment, replay the step instead of dying again.
 
 ``step=S`` is the 0-based index of a training step: the step that runs while ``trainer.global_step == S``,
 whose optimizer update is the ``S + 1``-th and leaves ``trainer.global_step == S + 1``. ``step=0`` is the
@@ -25,12 +31,15 @@ The phases of a step, in order:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal as signals
 import sys
+import time
 from typing import Any
 
 import lightning.pytorch as pl
+import psutil
 import torch.distributed as dist
 
 #: Environment variable read by :meth:`FaultInjector.from_env`.
@@ -39,25 +48,33 @@ FAULT_ENV = "LIGHTNING_DLROVER_FAULT"
 PHASES = ("before_forward", "after_optimizer", "during_parity_commit")
 #: Signals the injector can send.
 SIGNALS = ("SIGKILL", "SIGTERM")
-ENV_FORMAT = "rank=R,step=S,phase=P[,signal=SIGKILL|SIGTERM]"
+TARGETS = ("rank", "node")
+ENV_FORMAT = "rank=R,step=S,phase=P[,signal=SIGKILL|SIGTERM] or step=S,phase=P,target=node"
 
 
 class FaultInjector(pl.Callback):
     """Sends ``signal`` to its own process on global rank ``rank`` at phase ``phase`` of training step ``step``.
 
     Args:
-        rank: global rank to kill.
+        rank: global rank to kill (ignored with ``target="node"``).
         step: 0-based index of the training step: the one that runs while ``trainer.global_step == step``.
         phase: ``"before_forward"``, ``"after_optimizer"`` or ``"during_parity_commit"`` (see the module docs).
         signal: ``"SIGKILL"`` (the process dies at once, as on a lost machine) or ``"SIGTERM"`` (the process's
             handlers run first: Lightning's stops the trainer on that rank).
+        target: ``"rank"``, or ``"node"``: SIGKILL this worker's ``torchrun`` agent and all its workers (see the
+            module docs).
 
     As a callback, :meth:`setup` registers it in ``DLRoverStrategy.fault_points`` (without the callback:
     :meth:`attach`); the strategy calls it as ``injector(phase, step)`` with ``step = trainer.global_step``.
-    Before the signal it prints ``FaultInjector: killing rank R (pid P) at step S, phase P with SIGNAL`` to stderr.
+    Before the signal it prints ``FaultInjector: killing rank R (pid P) at step S, phase P with SIGNAL`` (or
+    ``FaultInjector: killing node at <unix time> ...``) to stderr.
     """
 
-    def __init__(self, rank: int, step: int, phase: str = "after_optimizer", signal: str = "SIGKILL") -> None:
+    def __init__(
+        self, rank: int, step: int, phase: str = "after_optimizer", signal: str = "SIGKILL", target: str = "rank"
+    ) -> None:
+        if target not in TARGETS:
+            raise ValueError(f"FaultInjector target={target!r} is not one of {list(TARGETS)}.")
         if phase not in PHASES:
             raise ValueError(f"FaultInjector phase={phase!r} is not one of {list(PHASES)}.")
         if signal not in SIGNALS:
@@ -65,10 +82,14 @@ class FaultInjector(pl.Callback):
         for name, value in (("rank", rank), ("step", step)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"FaultInjector {name}={value!r} must be an integer >= 0.")
-        self.rank, self.step, self.phase, self.signal = rank, step, phase, signal
+        self.rank, self.step, self.phase, self.signal, self.target = rank, step, phase, signal, target
+        self._strategy: Any = None
 
     def __repr__(self) -> str:
-        return f"FaultInjector(rank={self.rank}, step={self.step}, phase={self.phase!r}, signal={self.signal!r})"
+        return (
+            f"FaultInjector(rank={self.rank}, step={self.step}, phase={self.phase!r}, signal={self.signal!r}, "
+            f"target={self.target!r})"
+        )
 
     @classmethod
     def from_env(cls, value: str | None = None) -> FaultInjector | None:
@@ -86,12 +107,14 @@ class FaultInjector(pl.Callback):
             key, sep, field = (part.strip() for part in item.partition("="))
             if not sep or not key or not field or "=" in field:
                 raise ValueError(f"{source}: {item.strip()!r} is not key=value; the format is {ENV_FORMAT}.")
-            if key not in ("rank", "step", "phase", "signal"):
+            if key not in ("rank", "step", "phase", "signal", "target"):
                 raise ValueError(f"{source}: unknown key {key!r}; the format is {ENV_FORMAT}.")
             if key in fields:
                 raise ValueError(f"{source}: {key!r} is given twice; the format is {ENV_FORMAT}.")
             fields[key] = field
-        missing = [key for key in ("rank", "step", "phase") if key not in fields]
+        target = fields.get("target", "rank")
+        fields.setdefault("rank", "0" if target == "node" else "")
+        missing = [key for key in ("rank", "step", "phase") if not fields.get(key)]
         if missing:
             raise ValueError(f"{source}: missing {', '.join(missing)}; the format is {ENV_FORMAT}.")
         numbers = {}
@@ -102,7 +125,7 @@ class FaultInjector(pl.Callback):
                 message = f"{source}: {key}={fields[key]!r} is not an integer; the format is {ENV_FORMAT}."
                 raise ValueError(message) from None
         try:
-            return cls(numbers["rank"], numbers["step"], fields["phase"], fields.get("signal", "SIGKILL"))
+            return cls(numbers["rank"], numbers["step"], fields["phase"], fields.get("signal", "SIGKILL"), target)
         except ValueError as err:
             raise ValueError(f"{source}: {err}") from None
 
@@ -119,10 +142,11 @@ class FaultInjector(pl.Callback):
                 f"{self!r}: phase 'during_parity_commit' is only reached with parity on. Pass "
                 f"DLRoverStrategy(parity=ParityConfig(k, r)) or choose one of {[p for p in PHASES if p != self.phase]}."
             )
-        if self.rank >= strategy.world_size:
+        if self.target == "rank" and self.rank >= strategy.world_size:
             raise ValueError(f"{self!r}: there is no rank {self.rank} at world size {strategy.world_size}.")
         if self not in points:
             points.append(self)
+        self._strategy = strategy
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Registers this injector with the trainer's ``DLRoverStrategy`` (see :meth:`attach`)."""
@@ -135,13 +159,26 @@ class FaultInjector(pl.Callback):
 
     def __call__(self, phase: str, step: int) -> None:
         """The fault point: kills this process if it is global rank ``rank`` at ``phase`` of training step ``step``."""
-        if phase != self.phase or step != self.step:
+        if phase != self.phase or step != self.step or getattr(self._strategy, "recovered", False):
             return
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if rank != self.rank:
+        if self.target == "rank" and rank != self.rank:
             return
         pid = os.getpid()
         sys.stdout.flush()
+        if self.target == "node":
+            agent = psutil.Process(os.getppid())
+            workers = [p for p in agent.children() if p.pid != pid]
+            print(
+                f"FaultInjector: killing node at {time.time():.3f} (agent pid {agent.pid}, workers "
+                f"{sorted(p.pid for p in workers) + [pid]}) from rank {rank} at step {step}, phase {phase}",
+                file=sys.stderr,
+                flush=True,
+            )
+            for process in [agent, *workers]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+            os.kill(pid, signals.SIGKILL)
         print(
             f"FaultInjector: killing rank {rank} (pid {pid}) at step {step}, phase {phase} with {self.signal}",
             file=sys.stderr,

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import shutil
+import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from collections.abc import Callable
@@ -26,6 +29,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.constants import default_pg_timeout
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
@@ -40,6 +44,7 @@ from lightning_dlrover.fault import (
     ParityPlacement,
     ReplicatedSnapshot,
 )
+from lightning_dlrover.fault.recovery import Spill, Unrecoverable, read_spills, restore, spill_dir, write_spill
 from lightning_dlrover.monitor import StepTimer
 from lightning_dlrover.strategy.sharding import (
     COMPUTE_KERNELS,
@@ -57,6 +62,18 @@ from lightning_dlrover.strategy.sharding import (
 log = logging.getLogger(__name__)
 META_FILE = "meta.pt"
 SHARDED_DIR = "sharded"
+
+
+def _announce(message: str) -> None:
+    """Prints a recovery event with its wall-clock time (stderr, every rank): launchers and tests read these."""
+    print(f"lightning_dlrover [{time.time():.3f}]: {message}", file=sys.stderr, flush=True)
+
+
+class _CommitPoint(pl.Callback):
+    """Commits each training step at the end of its batch (added by the strategy, after the user's callbacks)."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        trainer.strategy.commit(trainer)
 
 
 def _destroy_process_group() -> None:
@@ -130,8 +147,12 @@ class DLRoverStrategy(DDPStrategy):
         self._dmp: DistributedModelParallel | None = None
         self._coded: CodedEmbeddings | None = None
         self._replicated = ReplicatedSnapshot(self._replicated_tensors)
+        self._committed_meta: dict[str, Any] | None = None  # the trainer's state at the last commit
+        self._recovered_meta: dict[str, Any] | None = None  # what set-up restored from spills or a checkpoint
+        self._snapshotting = False
         #: Called as ``point(phase, step)`` at ``before_forward``, ``after_optimizer`` and ``during_parity_commit``
-        #: of every training step (see :class:`~lightning_dlrover.fault.FaultInjector`).
+        #: of training step ``step`` (see :class:`~lightning_dlrover.fault.FaultInjector`), and at ``after_commit``
+        #: with ``step`` the number of committed steps.
         self.fault_points: list[Callable[[str, int], None]] = []
 
     @classmethod
@@ -155,6 +176,11 @@ class DLRoverStrategy(DDPStrategy):
         return True
 
     @property
+    def recovered(self) -> bool:
+        """Whether set-up restored a failed job's state (from survivors' spills or the fallback checkpoint)."""
+        return self._recovered_meta is not None
+
+    @property
     def fused_optimizer(self) -> KeyedOptimizer:
         """The in-backward optimizer of every sharded table (state as ``ShardedTensor`` views of live buffers)."""
         if self._dmp is None:
@@ -176,22 +202,81 @@ class DLRoverStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.parity is not None and self._coded is None:
-                self._coded = self._encode_parity(self.parity)
+                self._coded = self._encode_parity(trainer, self.parity)
                 self._replicated.take()
+                if not any(isinstance(c, _CommitPoint) for c in trainer.callbacks):
+                    trainer.callbacks.append(_CommitPoint())  # last: after every checkpoint of the batch
             if (injector := FaultInjector.from_env()) is not None:  # LIGHTNING_DLROVER_FAULT=rank=R,step=S,phase=P
                 injector.attach(self)
         self.setup_precision_plugin()
 
-    def _encode_parity(self, config: ParityConfig) -> CodedEmbeddings:
-        """Lays out this rank's embedding state in chunks and encodes the parity every rank holds (collective)."""
+    def _encode_parity(self, trainer: pl.Trainer, config: ParityConfig) -> CodedEmbeddings:
+        """Lays out this rank's embedding state in chunks, restores a failed job's state from its spills (under
+        ``torchrun``) or else its last checkpoint, and encodes the parity every rank holds (collective)."""
         placement = ParityPlacement(self.world_size, config.k, config.r)
-        coded = CodedEmbeddings(CodedState(self.model, config.k), placement)
+        state = CodedState(self.model, config.k)
+        spills, fallback = [], None
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # the same on every rank of an elastic job
+            spills = read_spills(spill_dir(), self.local_rank, self.num_processes)
+            try:
+                restored = restore(state, spills)
+            except Unrecoverable as err:
+                restored, fallback = None, err
+            if restored is not None:
+                self._recovered_meta, report = restored
+                self._load_dense_state(self._recovered_meta)
+                _announce(f"{report}; resuming")
+        coded = CodedEmbeddings(state, placement)
         state_bytes, parity_bytes = coded.state.num_bytes, coded.parity.numel()
         rank_zero_info(
             f"DLRoverStrategy parity k={config.k} r={config.r}: rank 0 codes {state_bytes / 2**20:.2f} MiB of embedding "
             f"state and holds {parity_bytes / 2**20:.2f} MiB of parity ({parity_bytes / max(state_bytes, 1):.0%})."
         )
+        if fallback is not None:
+            self._coded = coded
+            self._recovered_meta = self._fall_back_to_checkpoint(trainer, fallback)
+        if self._recovered_meta is not None:
+            coded.committed_step = self._recovered_meta["global_step"]
+            trainer._checkpoint_connector._loaded_checkpoint = self._recovered_meta  # restored like a checkpoint
+        for spill in spills:  # the state they held is live again (or superseded by the checkpoint)
+            spill.path.unlink(missing_ok=True)
         return coded
+
+    def _fall_back_to_checkpoint(self, trainer: pl.Trainer, reason: Unrecoverable) -> dict[str, Any]:
+        """Loads the newest checkpoint of the trainer's ``ModelCheckpoint`` after an unrecoverable loss."""
+        path = self._latest_checkpoint(trainer)
+        if path is None:
+            raise RuntimeError(
+                f"{reason} There is no checkpoint to fall back to: add a ModelCheckpoint(every_n_train_steps=N) "
+                "callback, or remove the spills in the spill directory to start from scratch."
+            ) from None
+        meta = self.load_checkpoint(path)
+        lost = reason.step - meta["global_step"]
+        _announce(f"{reason} Resuming from checkpoint {path} at step {meta['global_step']}: {lost} committed steps lost")
+        return meta
+
+    def _latest_checkpoint(self, trainer: pl.Trainer) -> Path | None:
+        """The checkpoint directory with the highest global step under the ``ModelCheckpoint``'s ``dirpath``."""
+        callback = trainer.checkpoint_callback
+        directory = Path(callback.dirpath) if callback is not None and getattr(callback, "dirpath", None) else None
+        best = None
+        if self.is_global_zero and directory is not None and directory.is_dir():
+            found = []
+            for meta in directory.glob(f"*/{META_FILE}"):
+                step = torch.load(meta, map_location="cpu", weights_only=False)["global_step"]
+                found.append((step, str(meta.parent)))
+            best = max(found)[1] if found else None
+        best = self.broadcast(best)
+        return Path(best) if best is not None else None
+
+    def _load_dense_state(self, meta: dict[str, Any] | None) -> None:
+        """Copies the spilled dense parameters and buffers into the model (the tables are already restored)."""
+        if meta is None:
+            return
+        live = self.lightning_module.state_dict()
+        for key, value in meta.pop("state_dict").items():
+            live[key].copy_(value)
+        meta["state_dict"] = {}
 
     def _replicated_tensors(self) -> list[torch.Tensor]:
         """Dense parameters and dense optimizer state tensors, in a fixed order."""
@@ -203,8 +288,8 @@ class DLRoverStrategy(DDPStrategy):
                     tensors += [v for _, v in sorted(optimizer.state.get(param, {}).items()) if torch.is_tensor(v)]
         return tensors
 
-    def _reach(self, phase: str) -> None:
-        step = self.lightning_module.trainer.global_step
+    def _reach(self, phase: str, step: int | None = None) -> None:
+        step = self.lightning_module.trainer.global_step if step is None else step
         for point in self.fault_points:
             point(phase, step)
 
@@ -214,15 +299,71 @@ class DLRoverStrategy(DDPStrategy):
         return super().training_step(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Runs the step, then commits the embedding rows and dense state it changed (when parity is on)."""
+        """Runs the step, then sends the embedding rows it changed to their parity (when parity is on)."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._reach("after_optimizer")
         if self._coded is not None:
             with self.step_timer.section("parity"):
-                step = self.lightning_module.trainer.global_step + 1
-                self._coded.commit_step(step, before_vote=lambda: self._reach("during_parity_commit"))
-                self._replicated.take()
+                self._coded.send_deltas()
         return output
+
+    def commit(self, trainer: pl.Trainer) -> None:
+        """Commits the training step that just ended: the vote, then snapshots of the dense and trainer state.
+
+        Called at the end of every training batch, after every other callback (parity on only).
+        """
+        assert self._coded is not None
+        step = trainer.global_step
+        with self.step_timer.section("parity"):
+            self._reach("during_parity_commit", step - 1)
+            self._snapshotting = True
+            try:
+                meta = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            finally:
+                self._snapshotting = False
+            self._coded.commit(step)
+            self._replicated.take()
+            self._committed_meta = meta
+        self._reach("after_commit", step)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state dict (empty while :meth:`commit` snapshots the trainer state: the tables are coded)."""
+        return {} if self._snapshotting else super().lightning_module_state_dict()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Spills this rank's committed state to shared memory for the restarted job (parity on, under ``torchrun``).
+
+        The in-flight step is rolled back first; a spill needs no other rank.
+        """
+        directory = spill_dir()
+        if self._coded is None or directory is None:
+            return
+        stopped = time.time()
+        self._coded.rollback()
+        self._replicated.restore()
+        meta = None
+        if self._committed_meta is not None:
+            dense = {k: v for k, v in self.lightning_module.state_dict().items() if not isinstance(v, ShardedTensor)}
+            meta = {**self._committed_meta, "state_dict": dense}
+        state = self._coded.state
+        spill = Spill(
+            rank=self.global_rank,
+            world_size=self.world_size,
+            step=max(self._coded.committed_step, 0),
+            k=state.k,
+            r=self._coded.placement.r,
+            chunk_len=state.chunk_len,
+            layouts=state.layouts,
+            chunks=torch.stack([state.read_chunk(c) for c in range(state.k)]),
+            parity=self._coded.parity,
+            meta=meta,
+        )
+        path = write_spill(directory, spill)
+        reason = f"{type(exception).__name__}: {str(exception).splitlines()[0][:160] if str(exception) else ''}"
+        _announce(
+            f"rank {self.global_rank} stopped at {stopped:.3f} ({reason}); spilled the state of step {spill.step} "
+            f"to {path} in {time.time() - stopped:.3f} s"
+        )
 
     def recover(self, lost_ranks: list[int]) -> None:
         """Rebuilds the embedding shards, optimizer state and parity of ``lost_ranks`` in place, at the last
@@ -319,7 +460,13 @@ class DLRoverStrategy(DDPStrategy):
         self.barrier("dlrover_checkpoint_committed")
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Loads a checkpoint of :meth:`save_checkpoint` into the current sharding, on any world size."""
+        """Loads a checkpoint of :meth:`save_checkpoint` into the current sharding, on any world size.
+
+        After set-up restored a failed job's state (see :meth:`setup`), that state is returned instead.
+        """
+        if self._recovered_meta is not None:
+            rank_zero_info(f"DLRoverStrategy: not loading {checkpoint_path}: the job resumes from its restored state.")
+            return self._recovered_meta
         path = Path(self.broadcast(str(checkpoint_path)))
         if not (path / META_FILE).is_file():
             raise FileNotFoundError(

@@ -34,16 +34,19 @@ def run_job(args: list[str], cwd: Path, fault: str | None) -> subprocess.Complet
         ("rank=1,step=5,phase=after_optimizer", (1, 5, "after_optimizer", "SIGKILL")),
         (" phase=before_forward , step=0, rank=2 ", (2, 0, "before_forward", "SIGKILL")),
         ("rank=0,step=3,phase=during_parity_commit,signal=SIGTERM", (0, 3, "during_parity_commit", "SIGTERM")),
+        ("step=3,phase=before_forward,target=node", (0, 3, "before_forward", "SIGKILL", "node")),
     ],
 )
 def test_parses_env_value(value, expected):
     injector = FaultInjector.from_env(value)
-    assert (injector.rank, injector.step, injector.phase, injector.signal) == expected
+    assert (injector.rank, injector.step, injector.phase, injector.signal, injector.target) == (*expected, "rank")[:5]
 
 
 def test_reads_environment(monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "rank=1,step=4,phase=before_forward")
-    assert repr(FaultInjector.from_env()) == "FaultInjector(rank=1, step=4, phase='before_forward', signal='SIGKILL')"
+    assert repr(FaultInjector.from_env()) == (
+        "FaultInjector(rank=1, step=4, phase='before_forward', signal='SIGKILL', target='rank')"
+    )
     for unset in ("", "  "):
         monkeypatch.setenv(FAULT_ENV, unset)
         assert FaultInjector.from_env() is None
@@ -67,6 +70,8 @@ def test_reads_environment(monkeypatch):
         ("rank=1,step=5,phase=backward", "phase='backward' is not one of ['before_forward', 'after_optimizer', "
                                          "'during_parity_commit']"),
         ("rank=1,step=5,phase=before_forward,signal=SIGINT", "signal='SIGINT' is not one of ['SIGKILL', 'SIGTERM']"),
+        ("step=5,phase=before_forward", "missing rank"),
+        ("rank=1,step=5,phase=before_forward,target=rack", "target='rack' is not one of ['rank', 'node']"),
     ],
 )
 def test_bad_env_value(value, message):

@@ -32,12 +32,14 @@ class LossDrill(pl.Callback):
         self.committed = None
 
     def setup(self, trainer, pl_module, stage) -> None:
-        trainer.strategy.fault_points.append(lambda phase, step: self._drill(trainer, phase, step))
+        trainer.strategy.fault_points.append(lambda phase, step: self._point(trainer, phase, step))
 
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step == self.step:
+    def _point(self, trainer, phase: str, step: int) -> None:
+        if phase == "after_commit" and step == self.step:
             self.committed = training_state_digest(trainer)
             self._drill(trainer, "after_batch", self.step)
+        else:
+            self._drill(trainer, phase, step)
 
     def _drill(self, trainer, phase: str, step: int) -> None:
         if phase != self.phase or step != self.step or self.committed is None:
