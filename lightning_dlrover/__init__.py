@@ -3,10 +3,19 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dlrover.fault import ParityConfig
+from lightning_dlrover.fault.recovery import elastic_trainer_args
 from lightning_dlrover.monitor import StateDigest, ThroughputMonitor
 from lightning_dlrover.strategy import DLRoverStrategy, TableConstraint
 
 DLRoverStrategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
-__all__ = ["DLRoverStrategy", "ParityConfig", "StateDigest", "TableConstraint", "ThroughputMonitor", "__version__"]
+__all__ = [
+    "DLRoverStrategy",
+    "ParityConfig",
+    "StateDigest",
+    "TableConstraint",
+    "ThroughputMonitor",
+    "__version__",
+    "elastic_trainer_args",
+]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_dlrover  # noqa: F401  (registers strategy="dlrover")
 from lightning_dlrover.data import DLRMDataModule
+from lightning_dlrover.fault.recovery import elastic_trainer_args
 from lightning_dlrover.models import DLRMModule
 
 
@@ -15,9 +18,20 @@ class DLRoverCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.num_embeddings_per_feature", "data.num_embeddings_per_feature")
 
+    def before_instantiate_classes(self) -> None:
+        """Under ``torchrun``, takes ``devices`` and ``num_nodes`` from the worker group (it may have shrunk or grown)."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        for key, value in elastic_trainer_args().items():
+            config.trainer[key] = value
+
 
 def main(args: list[str] | None = None) -> None:
-    """Runs the CLI (``args`` defaults to ``sys.argv[1:]``)."""
+    """Runs the CLI (``args`` defaults to ``sys.argv[1:]``); ``lightning-dlrover chaos ...`` runs the chaos drill."""
+    args = sys.argv[1:] if args is None else args
+    if args[:1] == ["chaos"]:
+        from lightning_dlrover.fault.chaos import main as chaos
+
+        sys.exit(chaos(args[1:]))
     DLRoverCLI(
         DLRMModule,
         DLRMDataModule,

@@ -1,16 +1,21 @@
 """Where the parity of every rank's embedding state lives: a (k, r) code rotated over the ranks.
 
+The ranks are placed on a ring that alternates between nodes: position ``p`` holds local rank ``p // N``
+of node ``p mod N`` (``N`` nodes of ``L`` ranks; ``torchrun`` numbers the ranks of a node contiguously).
 Every rank's coded state (its embedding shards and their optimizer state, as bytes) is cut into ``k``
-equal chunks. Chunk ``c`` of rank ``i`` is data shard ``c`` of parity group ``g = (i - c) mod W``.
-Group ``g`` has data shards on ranks ``g, g+1, ..., g+k-1`` and parity shard ``p`` (code shard id
-``k + p``) on rank ``g + k + p`` (all mod ``W``). With ``k + r <= W`` the ``k + r`` members of a group are
-distinct ranks, so losing any ``r`` ranks loses at most ``r`` shards of each group; and every rank holds
-exactly ``r`` parity chunks, ``r / k`` of its own state: no rank is a parity-only server.
+equal chunks. Chunk ``c`` of the rank at position ``i`` is data shard ``c`` of parity group ``g = (i - c) mod W``.
+Group ``g`` has data shards at positions ``g, g+1, ..., g+k-1`` and parity shard ``p`` (code shard id
+``k + p``) at position ``g + k + p`` (all mod ``W``). With ``k + r <= W`` the ``k + r`` members of a group are
+distinct ranks, so losing any ``r`` ranks loses at most ``r`` shards of each group; a group has at most
+``ceil((k + r) / N)`` members on one node, so a whole node is recoverable when that is ``<= r``. Every rank
+holds exactly ``r`` parity chunks, ``r / k`` of its own state: no rank is a parity-only server.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass
@@ -32,11 +37,13 @@ class ParityConfig:
 
 @dataclass(frozen=True)
 class ParityPlacement:
-    """Rotated placement of a systematic ``(k, r)`` code over ``world_size`` ranks (groups are numbered 0..W-1)."""
+    """Rotated placement of a systematic ``(k, r)`` code over ``world_size`` ranks (groups are numbered 0..W-1),
+    ``local_world_size`` ranks per node."""
 
     world_size: int
     k: int
     r: int
+    local_world_size: int = 1
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.r < 1:
@@ -47,21 +54,40 @@ class ParityPlacement:
                 f"group, but the world size is {self.world_size}. Lower k or r, or add ranks."
             )
 
+    @cached_property
+    def nodes(self) -> int:
+        """Nodes of the ring (1 when ``local_world_size`` does not divide the world size)."""
+        return self.world_size // self.local_world_size if self.world_size % self.local_world_size == 0 else 1
+
+    @cached_property
+    def _rank_at(self) -> list[int]:
+        local = self.world_size // self.nodes
+        return [(p % self.nodes) * local + p // self.nodes for p in range(self.world_size)]
+
+    @cached_property
+    def _position(self) -> dict[int, int]:
+        return {rank: p for p, rank in enumerate(self._rank_at)}
+
+    @property
+    def tolerates_node_loss(self) -> bool:
+        """Whether losing every rank of one node loses at most ``r`` members of each group."""
+        return self.nodes > 1 and math.ceil((self.k + self.r) / self.nodes) <= self.r
+
     def data_rank(self, group: int, position: int) -> int:
         """Rank that holds data shard ``position`` (0..k-1) of ``group``."""
-        return (group + position) % self.world_size
+        return self._rank_at[(group + position) % self.world_size]
 
     def parity_rank(self, group: int, index: int) -> int:
         """Rank that holds parity shard ``index`` (0..r-1, code shard id ``k + index``) of ``group``."""
-        return (group + self.k + index) % self.world_size
+        return self._rank_at[(group + self.k + index) % self.world_size]
 
     def group_of_chunk(self, rank: int, chunk: int) -> int:
         """Group whose data shard ``chunk`` is chunk ``chunk`` of ``rank``'s state."""
-        return (rank - chunk) % self.world_size
+        return (self._position[rank] - chunk) % self.world_size
 
     def parity_held(self, rank: int) -> list[tuple[int, int]]:
         """``(group, index)`` of the ``r`` parity chunks stored on ``rank``, in index order."""
-        return [((rank - self.k - index) % self.world_size, index) for index in range(self.r)]
+        return [((self._position[rank] - self.k - index) % self.world_size, index) for index in range(self.r)]
 
     def members(self, group: int) -> list[int]:
         """Ranks of ``group`` by code shard id: ``k`` data ranks, then ``r`` parity ranks."""

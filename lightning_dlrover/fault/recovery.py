@@ -58,6 +58,18 @@ def spill_dir() -> Path | None:
     return None
 
 
+def elastic_trainer_args() -> dict[str, int]:
+    """``Trainer(devices=..., num_nodes=...)`` of the current ``torchrun`` worker group, ``{}`` outside ``torchrun``.
+
+    After a shrink or grow the world size is no longer the one the job was launched with, and Lightning
+    rejects a ``devices * num_nodes`` that differs from ``WORLD_SIZE``; pass these instead of constants.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return {}
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    return {"devices": local, "num_nodes": int(os.environ["WORLD_SIZE"]) // local}
+
+
 @dataclass
 class Spill:
     """What one rank leaves in shared memory when it fails: its coded state at the committed ``step``.
@@ -65,7 +77,7 @@ class Spill:
     Attributes:
         rank, world_size: the rank's place in the job that failed.
         step: the committed step (``trainer.global_step``) the state belongs to.
-        k, r, chunk_len: the parity code and chunk length of that job.
+        k, r, local_world_size, chunk_len: the parity code, ranks per node and chunk length of that job.
         layouts: every rank's segment specs (to decode and re-shard a lost rank's chunks).
         chunks: uint8 ``[k, chunk_len]``, the rank's data chunks.
         parity: uint8 ``[r, chunk_len]``, the parity chunks the rank held.
@@ -77,6 +89,7 @@ class Spill:
     step: int
     k: int
     r: int
+    local_world_size: int
     chunk_len: int
     layouts: list[list[SegmentSpec]]
     chunks: Tensor
@@ -85,8 +98,8 @@ class Spill:
     path: Path | None = field(default=None, compare=False)
 
     @property
-    def generation(self) -> tuple[int, int, int, int]:
-        return self.world_size, self.step, self.k, self.r
+    def generation(self) -> tuple[int, int, int, int, int]:
+        return self.world_size, self.step, self.k, self.r, self.local_world_size
 
 
 def write_spill(directory: Path, spill: Spill) -> Path:
@@ -145,20 +158,20 @@ def restore(state: CodedState, spills: list[Spill]) -> tuple[dict[str, Any], Rec
     (a collective on every rank of the new job). Returns the spilled trainer state and a report, or
     ``None`` when no rank has a spill (a fresh start). Raises :class:`Unrecoverable` on every rank alike."""
     me, world = dist.get_rank(), dist.get_world_size()
-    gathered: list[list[tuple[int, tuple[int, int, int, int]]]] = [None] * world  # type: ignore[list-item]
+    gathered: list[list[tuple[int, tuple[int, ...]]]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(gathered, [(s.rank, s.generation) for s in spills])
     entries = [(holder, rank, gen) for holder, held in enumerate(gathered) for rank, gen in held]
     if not entries:
         return None
     counts = Counter(gen for _, _, gen in entries)
     generation = max(counts, key=lambda gen: (counts[gen], gen[1]))
-    old_world, step, k, r = generation
+    old_world, step, k, r, local_world_size = generation
     holders: dict[int, int] = {}
     for holder, rank, gen in entries:
         if gen == generation:
             holders.setdefault(rank, holder)
     held = {s.rank: s for s in spills if s.generation == generation and holders[s.rank] == me}
-    placement = ParityPlacement(old_world, k, r)
+    placement = ParityPlacement(old_world, k, r, local_world_size)
     lost = sorted(set(range(old_world)) - holders.keys())
     for group in range(old_world):
         if sum(m in lost for m in placement.members(group)) > r:

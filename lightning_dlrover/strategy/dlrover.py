@@ -12,6 +12,7 @@ import atexit
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -32,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.constants import default_pg_timeout
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.keyed import KeyedOptimizer
 
@@ -69,6 +71,14 @@ def _announce(message: str) -> None:
     print(f"lightning_dlrover [{time.time():.3f}]: {message}", file=sys.stderr, flush=True)
 
 
+def _node_loss_note(placement: ParityPlacement) -> str:
+    if placement.nodes == 1:
+        return ""
+    if placement.tolerates_node_loss:
+        return f", and so is any one of the {placement.nodes} nodes"
+    return f"; a lost node is NOT (it holds too many members of a parity group: raise r or add nodes)"
+
+
 class _CommitPoint(pl.Callback):
     """Commits each training step at the end of its batch (added by the strategy, after the user's callbacks)."""
 
@@ -96,7 +106,7 @@ class DLRoverStrategy(DDPStrategy):
             on rank 0 (a collective over all shards; costs one pass over the state).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in :class:`~lightning.pytorch.strategies.DDPStrategy`.
-        **ddp_kwargs: passed to the ``DistributedDataParallel`` that wraps the dense parameters.
+            ``timeout`` also bounds how long a survivor waits on a dead peer before it gives up and spills.
     """
 
     strategy_name = "dlrover"
@@ -117,7 +127,6 @@ class DLRoverStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -128,7 +137,6 @@ class DLRoverStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-            **ddp_kwargs,
         )
         self.sharding_types = sharding_types
         self.compute_kernel = compute_kernel
@@ -213,7 +221,7 @@ class DLRoverStrategy(DDPStrategy):
     def _encode_parity(self, trainer: pl.Trainer, config: ParityConfig) -> CodedEmbeddings:
         """Lays out this rank's embedding state in chunks, restores a failed job's state from its spills (under
         ``torchrun``) or else its last checkpoint, and encodes the parity every rank holds (collective)."""
-        placement = ParityPlacement(self.world_size, config.k, config.r)
+        placement = ParityPlacement(self.world_size, config.k, config.r, self.num_processes)
         state = CodedState(self.model, config.k)
         spills, fallback = [], None
         if "TORCHELASTIC_RUN_ID" in os.environ:  # the same on every rank of an elastic job
@@ -225,12 +233,14 @@ class DLRoverStrategy(DDPStrategy):
             if restored is not None:
                 self._recovered_meta, report = restored
                 self._load_dense_state(self._recovered_meta)
-                _announce(f"{report}; resuming")
+                if self.is_global_zero:
+                    _announce(f"{report}; resuming")
         coded = CodedEmbeddings(state, placement)
         state_bytes, parity_bytes = coded.state.num_bytes, coded.parity.numel()
         rank_zero_info(
             f"DLRoverStrategy parity k={config.k} r={config.r}: rank 0 codes {state_bytes / 2**20:.2f} MiB of embedding "
-            f"state and holds {parity_bytes / 2**20:.2f} MiB of parity ({parity_bytes / max(state_bytes, 1):.0%})."
+            f"state and holds {parity_bytes / 2**20:.2f} MiB of parity ({parity_bytes / max(state_bytes, 1):.0%}); "
+            f"any {config.r} lost ranks are recoverable{_node_loss_note(placement)}."
         )
         if fallback is not None:
             self._coded = coded
@@ -252,7 +262,8 @@ class DLRoverStrategy(DDPStrategy):
             ) from None
         meta = self.load_checkpoint(path)
         lost = reason.step - meta["global_step"]
-        _announce(f"{reason} Resuming from checkpoint {path} at step {meta['global_step']}: {lost} committed steps lost")
+        if self.is_global_zero:
+            _announce(f"{reason} Resuming from checkpoint {path} at step {meta['global_step']}: {lost} committed steps lost")
         return meta
 
     def _latest_checkpoint(self, trainer: pl.Trainer) -> Path | None:
@@ -323,7 +334,10 @@ class DLRoverStrategy(DDPStrategy):
                 self._snapshotting = False
             self._coded.commit(step)
             self._replicated.take()
+            first_after_recovery = self.recovered and self._committed_meta is None
             self._committed_meta = meta
+        if first_after_recovery and self.is_global_zero:
+            _announce(f"training resumed: step {step} committed")
         self._reach("after_commit", step)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -338,6 +352,14 @@ class DLRoverStrategy(DDPStrategy):
         directory = spill_dir()
         if self._coded is None or directory is None:
             return
+        # The launcher SIGTERMs the other workers of a failed node; Lightning's handler would run a collective.
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            self._spill(directory, exception)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _spill(self, directory: Path, exception: BaseException) -> None:
         stopped = time.time()
         self._coded.rollback()
         self._replicated.restore()
@@ -352,6 +374,7 @@ class DLRoverStrategy(DDPStrategy):
             step=max(self._coded.committed_step, 0),
             k=state.k,
             r=self._coded.placement.r,
+            local_world_size=self._coded.placement.local_world_size,
             chunk_len=state.chunk_len,
             layouts=state.layouts,
             chunks=torch.stack([state.read_chunk(c) for c in range(state.k)]),
@@ -403,9 +426,21 @@ class DLRoverStrategy(DDPStrategy):
             env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
             device=self.root_device,
             plan=plan,
+            data_parallel_wrapper=self._data_parallel_wrapper(),
         )
         rank_zero_info(f"DLRoverStrategy: {describe_plan(plan)}")
         return self._dmp
+
+    @staticmethod
+    def _data_parallel_wrapper() -> DefaultDataParallelWrapper:
+        """DDP of the dense parameters whose gradient buckets never change.
+
+        DDP normally rebuilds its buckets after the first step, in gradient-ready order. A job resumed
+        mid-run would then reduce its first step's gradients in other buckets than an uninterrupted job,
+        and with more than two ranks the float sums differ: the resumed job would not be bit-exact.
+        Without a static graph and with unused-parameter search, DDP never rebuilds.
+        """
+        return DefaultDataParallelWrapper(static_graph=False, find_unused_parameters=True)
 
     def _fused_optimizer_state(self) -> dict[str, Any]:
         """The fused optimizer's state (not its hyper-parameters, which come from the model), keyed alike on every rank."""
