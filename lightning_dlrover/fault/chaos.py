@@ -15,6 +15,7 @@ machines would. Logs of every agent are kept under ``--workdir``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -41,6 +42,13 @@ _RECOVERED = re.compile(rf"lightning_dlrover \[{_TIME}\]: (recovered step (\d+) 
 _FALLBACK = re.compile(rf"lightning_dlrover \[{_TIME}\]: (.*Resuming from checkpoint .* (\d+) committed steps lost)")
 _RESUMED = re.compile(rf"lightning_dlrover \[{_TIME}\]: training resumed")
 _DIGEST = re.compile(r"^state digest: ([0-9a-f]{64})$", re.MULTILINE)
+_STEP_DIGEST = re.compile(r"^state digest at step (\d+): ([0-9a-f]{64})$", re.MULTILINE)
+#: Every run prints the state digest at its start and after every step, to compare the restored state.
+DIGEST_ARGS = [
+    "--trainer.callbacks+=lightning_dlrover.StateDigest",
+    "--trainer.callbacks.at_start=true",
+    "--trainer.callbacks.every_n_steps=1",
+]
 
 
 @dataclass
@@ -79,7 +87,8 @@ class Cluster:
         self.run_id = f"{name}-{uuid.uuid4().hex[:8]}"
         self.spill_root = Path("/dev/shm/lightning_dlrover") / self.run_id
         self.job = Job(name, args.workdir / name)
-        self.job.workdir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.job.workdir, ignore_errors=True)  # no checkpoints of an earlier drill
+        self.job.workdir.mkdir(parents=True)
 
     def start_node(self, index: int, env: dict[str, str] | None = None) -> None:
         """Starts agent ``index`` (a node) with ``--nproc-per-node`` workers."""
@@ -91,7 +100,7 @@ class Cluster:
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={rdzv}", "--max-restarts=3", "--monitor-interval=0.2",
             "-m", "lightning_dlrover", "fit", "--config", str(a.config),
-            f"--trainer.default_root_dir={self.job.workdir}", *a.overrides,
+            f"--trainer.default_root_dir={self.job.workdir}", *a.overrides, *DIGEST_ARGS,
         ]  # fmt: skip
         full_env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
         full_env.update({SPILL_ENV: str(self.spill_root / f"node{index}"), **STORE_ENV, **(env or {})})
@@ -115,15 +124,13 @@ class Cluster:
         shutil.rmtree(self.spill_root, ignore_errors=True)
 
 
-def _reference_digest(args: argparse.Namespace) -> str | None:
-    """The final digest of the same job without a fault."""
+def _reference_run(args: argparse.Namespace) -> str | None:
+    """The output of the same job without a fault (``None`` if it did not finish)."""
     cluster = Cluster(args, "reference", args.nodes)
     try:
         for index in range(args.nodes):
             cluster.start_node(index)
-        finished = cluster.wait(time.time() + args.timeout)
-        found = _DIGEST.findall(cluster.job.output())
-        return found[-1] if finished and found else None
+        return cluster.job.output() if cluster.wait(time.time() + args.timeout) else None
     finally:
         cluster.close()
 
@@ -154,8 +161,10 @@ def _faulted_run(args: argparse.Namespace) -> tuple[bool, str]:
         cluster.close()
 
 
-def summarize(args: argparse.Namespace, finished: bool, output: str, reference: str | None) -> list[str]:
+def summarize(args: argparse.Namespace, finished: bool, output: str, reference_output: str | None) -> list[str]:
     """The report's lines: recovered or not, detection time, time to resume, steps lost, digest match."""
+    reference = (_DIGEST.findall(reference_output) or [None])[-1] if reference_output else None
+    reference_steps = dict(_STEP_DIGEST.findall(reference_output or ""))
     killed = [float(t) for t in _KILLED.findall(output)]
     stopped = [float(t) for _, t in _STOPPED.findall(output)]
     recovered = _RECOVERED.findall(output)
@@ -171,6 +180,11 @@ def summarize(args: argparse.Namespace, finished: bool, output: str, reference: 
     if recovered:
         lines.append(f"recovered: yes, from survivors' spills ({recovered[-1][1]})")
         lost = "0"
+        step = recovered[-1][2]
+        restored = {d for s, d in _STEP_DIGEST.findall(output) if s == step}
+        if step in reference_steps:
+            same = restored == {reference_steps[step]}
+            lines.append(f"restored state equals the fault-free state at step {step}: {'yes' if same else 'no'}")
     elif fallback:
         lines.append(f"recovered: from the last checkpoint ({fallback[-1][1]})")
         lost = fallback[-1][2]
@@ -190,7 +204,7 @@ def summarize(args: argparse.Namespace, finished: bool, output: str, reference: 
     if reference is not None:
         lines.append(f"fault-free digest: {reference}")
     match = bool(digests) and reference is not None and digests[-1] == reference and finished
-    lines.append(f"digest match: {'yes' if match else 'no'}")
+    lines.append(f"digest match: {'yes' if match else 'no'}{'' if reference_output else ' (no fault-free run to compare)'}")
     return lines
 
 
@@ -204,6 +218,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--phase", choices=PHASES, default="before_forward")
     parser.add_argument("--replace", action="store_true", help="start a replacement node (else the job shrinks)")
     parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run (no digest match)")
+    parser.add_argument("--reuse-reference", action="store_true",
+                        help="reuse the fault-free run a previous drill with the same config and options left in --workdir")
     parser.add_argument("--timeout", type=int, default=600, help="seconds each run may take")
     parser.add_argument("--last-call", type=int, default=3, help="rendezvous last-call wait, seconds")
     parser.add_argument("--workdir", type=Path, default=Path("runs/chaos"))
@@ -225,8 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     reference = None
     if not args.no_reference:
-        print("chaos: fault-free reference run ...", flush=True)
-        reference = _reference_digest(args)
+        key = hashlib.sha256(repr([args.config.read_bytes(), args.nodes, args.nproc_per_node, args.overrides]).encode())
+        cached = args.workdir / f"reference-{key.hexdigest()[:16]}.log"
+        if args.reuse_reference and cached.is_file():
+            reference = cached.read_text()
+        else:
+            print("chaos: fault-free reference run ...", flush=True)
+            reference = _reference_run(args)
+            if reference is not None:
+                cached.write_text(reference)
     print(f"chaos: run with node {args.kill_node} killed at step {args.at_step} ...", flush=True)
     finished, output = _faulted_run(args)
     print("\nchaos summary")

@@ -254,7 +254,7 @@ class DLRoverStrategy(DDPStrategy):
 
     def _fall_back_to_checkpoint(self, trainer: pl.Trainer, reason: Unrecoverable) -> dict[str, Any]:
         """Loads the newest checkpoint of the trainer's ``ModelCheckpoint`` after an unrecoverable loss."""
-        path = self._latest_checkpoint(trainer)
+        path = self._latest_checkpoint(trainer, reason.step)
         if path is None:
             raise RuntimeError(
                 f"{reason} There is no checkpoint to fall back to: add a ModelCheckpoint(every_n_train_steps=N) "
@@ -266,8 +266,9 @@ class DLRoverStrategy(DDPStrategy):
             _announce(f"{reason} Resuming from checkpoint {path} at step {meta['global_step']}: {lost} committed steps lost")
         return meta
 
-    def _latest_checkpoint(self, trainer: pl.Trainer) -> Path | None:
-        """The checkpoint directory with the highest global step under the ``ModelCheckpoint``'s ``dirpath``."""
+    def _latest_checkpoint(self, trainer: pl.Trainer, at_most: int) -> Path | None:
+        """The checkpoint directory with the highest global step ``<= at_most`` under the ``ModelCheckpoint``'s
+        ``dirpath``."""
         callback = trainer.checkpoint_callback
         directory = Path(callback.dirpath) if callback is not None and getattr(callback, "dirpath", None) else None
         best = None
@@ -275,7 +276,8 @@ class DLRoverStrategy(DDPStrategy):
             found = []
             for meta in directory.glob(f"*/{META_FILE}"):
                 step = torch.load(meta, map_location="cpu", weights_only=False)["global_step"]
-                found.append((step, str(meta.parent)))
+                if step <= at_most:
+                    found.append((step, str(meta.parent)))
             best = max(found)[1] if found else None
         best = self.broadcast(best)
         return Path(best) if best is not None else None
