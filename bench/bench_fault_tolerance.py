@@ -10,12 +10,13 @@ started by Lightning's popen launcher (the script re-runs itself per rank) in it
    a step is the wall time from the end of one step's ``on_train_batch_end`` to the next (data
    loading included). Per step the strategy's ``step_timer`` sections are popped at
    ``on_train_batch_end`` (no ``ThroughputMonitor`` runs): ``parity`` is
-   ``CodedEmbeddings.commit_step`` plus the dense snapshot (inside the optimizer step); ``capture``
+   ``CodedEmbeddings.send_deltas`` (in the optimizer step) and ``DLRoverStrategy.commit`` (the vote, the
+   dense and trainer-state snapshots, at the end of the batch: counted in the next step); ``capture``
    is the forward pre-hook that records the touched rows and their undo log (``CodedState._touch``,
    timed by this script through a wrapper, inside the forward pass). "parity % step" is
    (parity + capture) / step time of the same run; "x none" is the throughput ratio to the
    no-parity run at the same world size, the end-to-end overhead. The same is measured in CPU time
-   (``time.process_time`` of each rank's process around the step, ``commit_step`` and the capture):
+   (``time.process_time`` of each rank's process around the step, ``send_deltas`` + ``commit`` and the capture):
    with more ranks than cores (3-4 ranks on 2 here) a wall-clock section also holds the time a rank
    waits for the others' share of the CPU, and the machine is shared; CPU time is the robust figure.
 2. Periodic checkpointing instead of parity: in the no-parity runs, after the timed steps,
@@ -35,7 +36,7 @@ started by Lightning's popen launcher (the script re-runs itself per rank) in it
    against the state digest taken before the wipe (``training_state_digest``). Checkpoints are read
    back from the page cache: a restore from remote storage is slower.
 
-After the timed steps, every parity run also profiles ``CodedEmbeddings.commit_step`` with cProfile
+After the timed steps, every parity run also profiles ``CodedEmbeddings.send_deltas + DLRoverStrategy.commit`` with cProfile
 on rank 0 for ``--profile-steps`` more steps (not timed; top functions by own time), and the drill
 profiles one more (untimed) ``recover`` on the victim rank (top functions by cumulative time).
 
@@ -65,6 +66,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--victim", type=int, default=1, help="rank lost in the recovery drill (default: 1)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each recovery measurement (default: 3)")
     parser.add_argument("--profile-steps", type=int, default=8,
-                        help="extra steps of every parity run with commit_step under cProfile on rank 0, and one profiled "
+                        help="extra steps of every parity run with send_deltas + commit under cProfile on rank 0, and one profiled "
                              "recovery in the drill (0: no profiles; default: 8)")
     parser.add_argument("--profile-top", type=int, default=12, help="functions shown per profile (default: 12)")
     parser.add_argument("--malloc", choices=list(MALLOC_SETTINGS), default="tuned",
@@ -219,7 +221,7 @@ def instrument(obj: Any, name: str, label: str, cpu: dict[str, float], timer: An
 
 @dataclass
 class Bench(pl.Callback):
-    """Per-step wall time and step-timer sections; checkpoint saves and commit_step profiling after the timed steps."""
+    """Per-step wall time and step-timer sections; checkpoint saves and send_deltas + commit profiling after the timed steps."""
 
     args: argparse.Namespace
     tmp: Path | None = None
@@ -244,7 +246,8 @@ class Bench(pl.Callback):
         strategy = trainer.strategy
         if strategy._coded is not None:
             self.capture_timed = instrument(strategy._coded.state, "_touch", "capture", self._cpu, strategy.step_timer)
-            instrument(strategy._coded, "commit_step", "parity", self._cpu)
+            instrument(strategy._coded, "send_deltas", "parity", self._cpu)
+            instrument(strategy, "commit", "parity", self._cpu)
             self._count_deltas(strategy._coded.state)
         made = tempfile.mkdtemp(prefix="bench_ft_", dir=self.args.tmp) if trainer.is_global_zero else ""
         self.tmp = Path(strategy.broadcast(made))
@@ -286,17 +289,21 @@ class Bench(pl.Callback):
     def _after_timed_steps(self, trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
         if strategy._coded is not None and self.args.profile_steps and trainer.is_global_zero:
-            coded, commit_step = strategy._coded, strategy._coded.commit_step
             profile = self.profile = cProfile.Profile()
 
-            def profiled(*args: Any, **kwargs: Any) -> Any:
-                profile.enable()
-                try:
-                    return commit_step(*args, **kwargs)
-                finally:
-                    profile.disable()
+            def profiled(method: Callable[..., Any]) -> Callable[..., Any]:
+                def run(*args: Any, **kwargs: Any) -> Any:
+                    profile.enable()
+                    try:
+                        return method(*args, **kwargs)
+                    finally:
+                        profile.disable()
 
-            coded.commit_step = profiled  # the strategy calls it through the instance
+                return run
+
+            # called through the instances, so instance attributes take effect
+            strategy._coded.send_deltas = profiled(strategy._coded.send_deltas)
+            strategy.commit = profiled(strategy.commit)
 
     def _save(self, trainer: pl.Trainer, index: int) -> None:
         """Save number ``index`` of the checkpoint phase: backends alternate."""
@@ -550,7 +557,7 @@ class Run:
 
     @property
     def cpu_parity_ms(self) -> float:
-        """CPU ms per step of commit_step + capture of one rank's process (mean over ranks)."""
+        """CPU ms per step of send_deltas + commit + capture of one rank's process (mean over ranks)."""
         return 1000 * statistics.fmean(p + c for p, c in zip(self.cpu_parity_s, self.cpu_capture_s))
 
     @property
@@ -618,10 +625,10 @@ def print_throughput(runs: list[Run], args: argparse.Namespace) -> None:
               f"{run.cpu_step_ms:>8.1f}{cpu_ratio:>11}{run.cpu_parity_ms:>8.1f}{pct(run.cpu_share):>7}"
               f"{pct(target) if target else '-':>8}  {ok}")
     print("x none: throughput / no-parity throughput at the same ranks (end-to-end); parity ms: step_timer's parity "
-          "section (commit_step + dense snapshot), capture ms: undo-log capture in the forward hooks, both wall ms per "
+          "section (send_deltas + commit + dense snapshot), capture ms: undo-log capture in the forward hooks, both wall ms per "
           "step, mean over ranks; max rank: the slowest rank's parity + capture; % step: (parity + capture) / mean "
           "step time. cpu ms: CPU time per step of a rank's process (all its threads); cpu x none: no-parity cpu ms / "
-          "this run's (CPU-time throughput ratio, robust to a busy machine); par cpu: CPU time of commit_step + capture; "
+          "this run's (CPU-time throughput ratio, robust to a busy machine); par cpu: CPU time of send_deltas + commit + capture; "
           "% cpu: their ratio (means over ranks). With more ranks than cores, wall sections include waiting for "
           "the other ranks' CPU share.")
 
@@ -723,7 +730,7 @@ def print_profiles(runs: list[Run]) -> None:
                   f"{run.label}, one recovery ({exact}; top by cumulative time):")
             print(run.drill["profile"])
         if run.profile:
-            print(f"\ncProfile of CodedEmbeddings.commit_step on rank 0, {run.devices} ranks {run.label}, "
+            print(f"\ncProfile of CodedEmbeddings.send_deltas + DLRoverStrategy.commit on rank 0, {run.devices} ranks {run.label}, "
                   f"{run.profile_steps} steps (top by own time):")
             print(run.profile)
 
@@ -767,7 +774,7 @@ def print_runs(done: list[tuple[int, Run]]) -> None:
               f"{run.cpu_step_ms:>8.1f}{cpu_parity:>8}{delta:>10}{saves:>18}{run.wall_s:>8.0f}")
     backends = next(("/".join(run.saves) for _, run in done if run.saves), "none")
     print("parity ms: parity + capture wall ms per step (mean over ranks); cpu ms, par cpu: CPU ms per step of a "
-          "rank's process and of its commit_step + capture; delta KiB: old XOR new bytes of the touched rows per step "
+          "rank's process and of its send_deltas + commit + capture; delta KiB: old XOR new bytes of the touched rows per step "
           f"and rank (each goes to r parity holders); saves s: median save per backend ({backends}).")
 
 

@@ -152,6 +152,12 @@ def _faulted_run(args: argparse.Namespace) -> tuple[bool, str]:
         if victim.poll() not in (None, 0) and args.replace:
             print(f"chaos: node {args.kill_node} is down; starting a replacement node", flush=True)
             cluster.start_node(args.nodes)
+        elif victim.poll() not in (None, 0) and args.rejoin_after is not None:
+            while not _RESUMED.search(cluster.job.output()) and time.time() < deadline:
+                time.sleep(0.2)
+            time.sleep(args.rejoin_after)
+            print(f"chaos: a node rejoins {args.rejoin_after} s after the shrunk job resumed", flush=True)
+            cluster.start_node(args.nodes)
         survivors = [a for a in cluster.job.agents if a is not victim]
         finished = all(a.wait(timeout=max(deadline - time.time(), 0.1)) == 0 for a in survivors)
         return finished, cluster.job.output()
@@ -174,13 +180,14 @@ def summarize(args: argparse.Namespace, finished: bool, output: str, reference_o
     kill = killed[0] if killed else None
     lines = [
         f"nodes: {args.nodes} x {args.nproc_per_node} ranks; killed node {args.kill_node} at step {args.at_step} "
-        f"({args.phase}); replacement: {'yes' if args.replace else 'no (shrink)'}",
+        f"({args.phase}); replacement: {'yes' if args.replace else 'no (shrink)'}"
+        + (f", a node rejoins {args.rejoin_after} s after it resumed" if args.rejoin_after is not None else ""),
         f"node killed: {'yes' if kill is not None else 'no'}",
     ]
     if recovered:
-        lines.append(f"recovered: yes, from survivors' spills ({recovered[-1][1]})")
+        lines += [f"recovered: yes, from survivors' spills ({event[1]})" for event in recovered]
         lost = "0"
-        step = recovered[-1][2]
+        step = recovered[0][2]
         restored = {d for s, d in _STEP_DIGEST.findall(output) if s == step}
         if step in reference_steps:
             same = restored == {reference_steps[step]}
@@ -194,10 +201,10 @@ def summarize(args: argparse.Namespace, finished: bool, output: str, reference_o
     if kill is not None and stopped:
         lines.append(f"detection: {min(stopped) - kill:.2f} s (kill to the first survivor stopping)")
     if kill is not None and (recovered or fallback):
-        at = float((recovered or fallback)[-1][0])
+        at = float((recovered or fallback)[0][0])
         lines.append(f"state restored: {at - kill:.2f} s after the kill (restart, rendezvous, decode, re-shard)")
     if kill is not None and resumed:
-        lines.append(f"time to resume: {resumed[-1] - kill:.2f} s (kill to the first committed step after)")
+        lines.append(f"time to resume: {resumed[0] - kill:.2f} s (kill to the first committed step after)")
     lines.append(f"steps lost: {lost}")
     lines.append(f"job finished: {'yes' if finished else 'no'}")
     lines.append(f"final digest: {digests[-1] if digests else 'none'}")
@@ -217,6 +224,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--at-step", type=int, required=True, help="training step at which the node dies")
     parser.add_argument("--phase", choices=PHASES, default="before_forward")
     parser.add_argument("--replace", action="store_true", help="start a replacement node (else the job shrinks)")
+    parser.add_argument("--rejoin-after", type=float, default=None, metavar="SECONDS",
+                        help="without --replace: a new node joins this long after the shrunk job resumed, and the "
+                             "job grows again")
     parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run (no digest match)")
     parser.add_argument("--reuse-reference", action="store_true",
                         help="reuse the fault-free run a previous drill with the same config and options left in --workdir")
@@ -228,6 +238,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.overrides += unknown
     if not 0 <= args.kill_node < args.nodes:
         parser.error(f"--kill-node {args.kill_node} is not a node of --nodes {args.nodes}")
+    if args.replace and args.rejoin_after is not None:
+        parser.error("--rejoin-after is for a job that shrinks first; leave out --replace")
     if args.nodes < 2 and not args.replace:
         parser.error("a job of one node cannot shrink: pass --replace or --nodes >= 2")
     if not args.config.is_file():

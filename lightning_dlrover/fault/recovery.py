@@ -82,6 +82,8 @@ class Spill:
         chunks: uint8 ``[k, chunk_len]``, the rank's data chunks.
         parity: uint8 ``[r, chunk_len]``, the parity chunks the rank held.
         meta: the trainer's state at ``step`` as a Lightning checkpoint dict (``state_dict``: dense tensors only).
+
+    A job without parity spills only where it stopped (``k = 0``, no state): its restart resumes from a checkpoint.
     """
 
     rank: int
@@ -92,9 +94,9 @@ class Spill:
     local_world_size: int
     chunk_len: int
     layouts: list[list[SegmentSpec]]
-    chunks: Tensor
-    parity: Tensor
-    meta: dict[str, Any]
+    chunks: Tensor | None
+    parity: Tensor | None
+    meta: dict[str, Any] | None
     path: Path | None = field(default=None, compare=False)
 
     @property
@@ -153,10 +155,11 @@ class RecoveryReport:
         )
 
 
-def restore(state: CodedState, spills: list[Spill]) -> tuple[dict[str, Any], RecoveryReport] | None:
+def restore(state: CodedState | None, spills: list[Spill]) -> tuple[dict[str, Any] | None, RecoveryReport] | None:
     """Rebuilds the committed embedding state of a failed job from the spills into ``state``'s live buffers
-    (a collective on every rank of the new job). Returns the spilled trainer state and a report, or
-    ``None`` when no rank has a spill (a fresh start). Raises :class:`Unrecoverable` on every rank alike."""
+    (a collective on every rank of the new job; ``state`` is ``None`` when this job has no parity). Returns the
+    spilled trainer state (``None``: the job failed before its first commit) and a report, or ``None`` when no
+    rank has a spill (a fresh start). Raises :class:`Unrecoverable` on every rank alike."""
     me, world = dist.get_rank(), dist.get_world_size()
     gathered: list[list[tuple[int, tuple[int, ...]]]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(gathered, [(s.rank, s.generation) for s in spills])
@@ -166,6 +169,9 @@ def restore(state: CodedState, spills: list[Spill]) -> tuple[dict[str, Any], Rec
     counts = Counter(gen for _, _, gen in entries)
     generation = max(counts, key=lambda gen: (counts[gen], gen[1]))
     old_world, step, k, r, local_world_size = generation
+    if k == 0 or state is None:
+        where = "the failed job" if k == 0 else "this job"
+        raise Unrecoverable(f"The job stopped at step {step}, and {where} keeps no parity of its embedding state.", step)
     holders: dict[int, int] = {}
     for holder, rank, gen in entries:
         if gen == generation:

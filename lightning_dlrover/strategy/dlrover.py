@@ -76,7 +76,7 @@ def _node_loss_note(placement: ParityPlacement) -> str:
         return ""
     if placement.tolerates_node_loss:
         return f", and so is any one of the {placement.nodes} nodes"
-    return f"; a lost node is NOT (it holds too many members of a parity group: raise r or add nodes)"
+    return "; a lost node is NOT (it holds too many members of a parity group: raise r or add nodes)"
 
 
 class _CommitPoint(pl.Callback):
@@ -158,6 +158,7 @@ class DLRoverStrategy(DDPStrategy):
         self._committed_meta: dict[str, Any] | None = None  # the trainer's state at the last commit
         self._recovered_meta: dict[str, Any] | None = None  # what set-up restored from spills or a checkpoint
         self._snapshotting = False
+        self._resume_announced = False
         #: Called as ``point(phase, step)`` at ``before_forward``, ``after_optimizer`` and ``during_parity_commit``
         #: of training step ``step`` (see :class:`~lightning_dlrover.fault.FaultInjector`), and at ``after_commit``
         #: with ``step`` the number of committed steps.
@@ -209,20 +210,19 @@ class DLRoverStrategy(DDPStrategy):
         self.model = self._dmp if self._dmp is not None else self._shard(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.parity is not None and self._coded is None:
-                self._coded = self._encode_parity(trainer, self.parity)
-                self._replicated.take()
-                if not any(isinstance(c, _CommitPoint) for c in trainer.callbacks):
-                    trainer.callbacks.append(_CommitPoint())  # last: after every checkpoint of the batch
+            if self._coded is None and self._recovered_meta is None:  # the first fit of this process
+                self._start(trainer)
             if (injector := FaultInjector.from_env()) is not None:  # LIGHTNING_DLROVER_FAULT=rank=R,step=S,phase=P
                 injector.attach(self)
         self.setup_precision_plugin()
 
-    def _encode_parity(self, trainer: pl.Trainer, config: ParityConfig) -> CodedEmbeddings:
-        """Lays out this rank's embedding state in chunks, restores a failed job's state from its spills (under
-        ``torchrun``) or else its last checkpoint, and encodes the parity every rank holds (collective)."""
-        placement = ParityPlacement(self.world_size, config.k, config.r, self.num_processes)
-        state = CodedState(self.model, config.k)
+    def _start(self, trainer: pl.Trainer) -> None:
+        """Restores the state of a failed elastic job (survivors' spills, else its last checkpoint), then encodes
+        the parity of every rank's embedding state (collective).
+
+        Under ``torchrun`` the restored state is handed to Lightning as the checkpoint to resume from.
+        """
+        state = CodedState(self.model, self.parity.k) if self.parity is not None else None
         spills, fallback = [], None
         if "TORCHELASTIC_RUN_ID" in os.environ:  # the same on every rank of an elastic job
             spills = read_spills(spill_dir(), self.local_rank, self.num_processes)
@@ -235,21 +235,32 @@ class DLRoverStrategy(DDPStrategy):
                 self._load_dense_state(self._recovered_meta)
                 if self.is_global_zero:
                     _announce(f"{report}; resuming")
-        coded = CodedEmbeddings(state, placement)
-        state_bytes, parity_bytes = coded.state.num_bytes, coded.parity.numel()
-        rank_zero_info(
-            f"DLRoverStrategy parity k={config.k} r={config.r}: rank 0 codes {state_bytes / 2**20:.2f} MiB of embedding "
-            f"state and holds {parity_bytes / 2**20:.2f} MiB of parity ({parity_bytes / max(state_bytes, 1):.0%}); "
-            f"any {config.r} lost ranks are recoverable{_node_loss_note(placement)}."
-        )
+        if state is not None:
+            self._coded = self._encode_parity(state)
+            self._replicated.take()
+        if not any(isinstance(c, _CommitPoint) for c in trainer.callbacks):
+            trainer.callbacks.append(_CommitPoint())  # last: after every checkpoint of the batch
         if fallback is not None:
-            self._coded = coded
             self._recovered_meta = self._fall_back_to_checkpoint(trainer, fallback)
         if self._recovered_meta is not None:
-            coded.committed_step = self._recovered_meta["global_step"]
+            if self._coded is not None:
+                self._coded.committed_step = self._recovered_meta["global_step"]
             trainer._checkpoint_connector._loaded_checkpoint = self._recovered_meta  # restored like a checkpoint
         for spill in spills:  # the state they held is live again (or superseded by the checkpoint)
             spill.path.unlink(missing_ok=True)
+
+    def _encode_parity(self, state: CodedState) -> CodedEmbeddings:
+        """Encodes the parity every rank holds of ``state`` (collective) and reports its size."""
+        assert self.parity is not None
+        k, r = self.parity.k, self.parity.r
+        placement = ParityPlacement(self.world_size, k, r, self.num_processes)
+        coded = CodedEmbeddings(state, placement)
+        state_bytes, parity_bytes = state.num_bytes, coded.parity.numel()
+        rank_zero_info(
+            f"DLRoverStrategy parity k={k} r={r}: rank 0 codes {state_bytes / 2**20:.2f} MiB of embedding "
+            f"state and holds {parity_bytes / 2**20:.2f} MiB of parity ({parity_bytes / max(state_bytes, 1):.0%}); "
+            f"any {r} lost ranks are recoverable{_node_loss_note(placement)}."
+        )
         return coded
 
     def _fall_back_to_checkpoint(self, trainer: pl.Trainer, reason: Unrecoverable) -> dict[str, Any]:
@@ -260,10 +271,14 @@ class DLRoverStrategy(DDPStrategy):
                 f"{reason} There is no checkpoint to fall back to: add a ModelCheckpoint(every_n_train_steps=N) "
                 "callback, or remove the spills in the spill directory to start from scratch."
             ) from None
+        started = time.perf_counter()
         meta = self.load_checkpoint(path)
-        lost = reason.step - meta["global_step"]
+        lost, seconds = reason.step - meta["global_step"], time.perf_counter() - started
         if self.is_global_zero:
-            _announce(f"{reason} Resuming from checkpoint {path} at step {meta['global_step']}: {lost} committed steps lost")
+            _announce(
+                f"{reason} Resuming from checkpoint {path} at step {meta['global_step']} (loaded in {seconds:.3f} s): "
+                f"{lost} committed steps lost"
+            )
         return meta
 
     def _latest_checkpoint(self, trainer: pl.Trainer, at_most: int) -> Path | None:
@@ -323,23 +338,24 @@ class DLRoverStrategy(DDPStrategy):
     def commit(self, trainer: pl.Trainer) -> None:
         """Commits the training step that just ended: the vote, then snapshots of the dense and trainer state.
 
-        Called at the end of every training batch, after every other callback (parity on only).
+        Called at the end of every training batch, after every other callback.
         """
-        assert self._coded is not None
         step = trainer.global_step
-        with self.step_timer.section("parity"):
-            self._reach("during_parity_commit", step - 1)
-            self._snapshotting = True
-            try:
-                meta = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            finally:
-                self._snapshotting = False
-            self._coded.commit(step)
-            self._replicated.take()
-            first_after_recovery = self.recovered and self._committed_meta is None
-            self._committed_meta = meta
-        if first_after_recovery and self.is_global_zero:
-            _announce(f"training resumed: step {step} committed")
+        if self._coded is not None:
+            with self.step_timer.section("parity"):
+                self._reach("during_parity_commit", step - 1)
+                self._snapshotting = True
+                try:
+                    meta = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+                finally:
+                    self._snapshotting = False
+                self._coded.commit(step)
+                self._replicated.take()
+                self._committed_meta = meta
+        if self.recovered and not self._resume_announced:
+            self._resume_announced = True
+            if self.is_global_zero:
+                _announce(f"training resumed: step {step} committed")
         self._reach("after_commit", step)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -352,7 +368,7 @@ class DLRoverStrategy(DDPStrategy):
         The in-flight step is rolled back first; a spill needs no other rank.
         """
         directory = spill_dir()
-        if self._coded is None or directory is None:
+        if directory is None or self._dmp is None:
             return
         # The launcher SIGTERMs the other workers of a failed node; Lightning's handler would run a collective.
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -362,32 +378,42 @@ class DLRoverStrategy(DDPStrategy):
             signal.signal(signal.SIGTERM, previous)
 
     def _spill(self, directory: Path, exception: BaseException) -> None:
+        """Writes this rank's committed state (without parity: only the step it reached) to ``directory``."""
         stopped = time.time()
+        if self._coded is None:
+            step = self.lightning_module.trainer.global_step
+            spill = Spill(self.global_rank, self.world_size, step, 0, 0, self.num_processes, 0, [], None, None, None)
+        else:
+            spill = self._coded_spill()
+        path = write_spill(directory, spill)
+        reason = f"{type(exception).__name__}: {str(exception).splitlines()[0][:160] if str(exception) else ''}"
+        _announce(
+            f"rank {self.global_rank} stopped at {stopped:.3f} ({reason}); spilled the state of step {spill.step} "
+            f"to {path} in {time.time() - stopped:.3f} s"
+        )
+
+    def _coded_spill(self) -> Spill:
+        """This rank's coded state and the trainer's state at the last commit (the in-flight step rolled back)."""
+        assert self._coded is not None
         self._coded.rollback()
         self._replicated.restore()
         meta = None
         if self._committed_meta is not None:
             dense = {k: v for k, v in self.lightning_module.state_dict().items() if not isinstance(v, ShardedTensor)}
             meta = {**self._committed_meta, "state_dict": dense}
-        state = self._coded.state
-        spill = Spill(
+        state, placement = self._coded.state, self._coded.placement
+        return Spill(
             rank=self.global_rank,
             world_size=self.world_size,
             step=max(self._coded.committed_step, 0),
             k=state.k,
-            r=self._coded.placement.r,
-            local_world_size=self._coded.placement.local_world_size,
+            r=placement.r,
+            local_world_size=placement.local_world_size,
             chunk_len=state.chunk_len,
             layouts=state.layouts,
             chunks=torch.stack([state.read_chunk(c) for c in range(state.k)]),
             parity=self._coded.parity,
             meta=meta,
-        )
-        path = write_spill(directory, spill)
-        reason = f"{type(exception).__name__}: {str(exception).splitlines()[0][:160] if str(exception) else ''}"
-        _announce(
-            f"rank {self.global_rank} stopped at {stopped:.3f} ({reason}); spilled the state of step {spill.step} "
-            f"to {path} in {time.time() - stopped:.3f} s"
         )
 
     def recover(self, lost_ranks: list[int]) -> None:

@@ -7,9 +7,11 @@ import pytest
 from lightning_dlrover.fault.placement import ParityPlacement
 
 
-@pytest.mark.parametrize(("world_size", "k", "r"), [(3, 2, 1), (4, 2, 2), (5, 3, 2), (8, 4, 2), (2, 1, 1)])
-def test_placement_is_balanced_and_tolerates_r_losses(world_size, k, r):
-    placement = ParityPlacement(world_size, k, r)
+@pytest.mark.parametrize(("world_size", "k", "r", "local"),
+                         [(3, 2, 1, 1), (4, 2, 2, 1), (5, 3, 2, 1), (8, 4, 2, 1), (2, 1, 1, 1), (4, 1, 1, 2),
+                          (8, 2, 1, 2), (12, 3, 1, 4), (6, 2, 2, 3)])
+def test_placement_is_balanced_and_tolerates_r_losses(world_size, k, r, local):
+    placement = ParityPlacement(world_size, k, r, local)
     for group in range(world_size):
         assert len(set(placement.members(group))) == k + r
     for rank in range(world_size):
@@ -20,6 +22,18 @@ def test_placement_is_balanced_and_tolerates_r_losses(world_size, k, r):
     for lost in itertools.combinations(range(world_size), r):
         for group in range(world_size):
             assert sum(m not in lost for m in placement.members(group)) >= k
+
+
+@pytest.mark.parametrize(("world_size", "k", "r", "local", "covered"), [
+    (4, 1, 1, 2, True), (4, 2, 2, 2, True), (4, 3, 1, 2, False), (8, 2, 1, 2, True), (8, 3, 1, 4, False),
+    (6, 2, 2, 3, True), (4, 2, 1, 4, False), (4, 2, 1, 1, True),
+])
+def test_node_loss_is_covered_when_no_node_holds_more_than_r_members_of_a_group(world_size, k, r, local, covered):
+    placement = ParityPlacement(world_size, k, r, local)
+    assert placement.tolerates_node_loss == covered
+    nodes = [range(n * local, (n + 1) * local) for n in range(world_size // local)]
+    worst = max(sum(m in node for m in placement.members(g)) for g in range(world_size) for node in nodes)
+    assert (worst <= r and len(nodes) > 1) == covered
 
 
 @pytest.mark.parametrize(("world_size", "k", "r", "message"), [
