@@ -3,7 +3,8 @@
 The LightningModule is wrapped in TorchRec's ``DistributedModelParallel``: embedding tables are
 sharded by TorchRec's planner and updated by fused in-backward optimizers, every other parameter is
 replicated and synchronised by DDP. Checkpoints are sharded (every rank writes its own shards) and
-load into any world size.
+load into any world size. With parity, every training step is committed across ranks, and a job that
+``torchrun`` restarts after a node loss resumes at the last committed step from the survivors' memory.
 """
 
 from __future__ import annotations
@@ -156,9 +157,8 @@ class DLRoverStrategy(DDPStrategy):
         self._coded: CodedEmbeddings | None = None
         self._replicated = ReplicatedSnapshot(self._replicated_tensors)
         self._committed_meta: dict[str, Any] | None = None  # the trainer's state at the last commit
-        self._recovered_meta: dict[str, Any] | None = None  # what set-up restored from spills or a checkpoint
-        self._snapshotting = False
-        self._resume_announced = False
+        self._resume_meta: dict[str, Any] | None = None  # restored by set-up, for Lightning to resume from
+        self._started = self._recovered = self._snapshotting = self._resume_announced = False
         #: Called as ``point(phase, step)`` at ``before_forward``, ``after_optimizer`` and ``during_parity_commit``
         #: of training step ``step`` (see :class:`~lightning_dlrover.fault.FaultInjector`), and at ``after_commit``
         #: with ``step`` the number of committed steps.
@@ -187,7 +187,7 @@ class DLRoverStrategy(DDPStrategy):
     @property
     def recovered(self) -> bool:
         """Whether set-up restored a failed job's state (from survivors' spills or the fallback checkpoint)."""
-        return self._recovered_meta is not None
+        return self._recovered
 
     @property
     def fused_optimizer(self) -> KeyedOptimizer:
@@ -197,7 +197,11 @@ class DLRoverStrategy(DDPStrategy):
         return self._dmp.fused_optimizer
 
     def setup(self, trainer: pl.Trainer) -> None:
-        """Shards the model, then sets up the dense optimizers and precision."""
+        """Shards the model, then sets up the dense optimizers and precision.
+
+        Under ``torchrun`` the first fit restores a failed job's state: decoded from the survivors' spills
+        (parity on) or else loaded from the newest checkpoint (see ``lightning_dlrover.fault.recovery``).
+        """
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if trainer.accumulate_grad_batches != 1:
@@ -210,7 +214,8 @@ class DLRoverStrategy(DDPStrategy):
         self.model = self._dmp if self._dmp is not None else self._shard(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self._coded is None and self._recovered_meta is None:  # the first fit of this process
+            if not self._started:  # the first fit of this process
+                self._started = True
                 self._start(trainer)
             if (injector := FaultInjector.from_env()) is not None:  # LIGHTNING_DLROVER_FAULT=rank=R,step=S,phase=P
                 injector.attach(self)
@@ -231,8 +236,9 @@ class DLRoverStrategy(DDPStrategy):
             except Unrecoverable as err:
                 restored, fallback = None, err
             if restored is not None:
-                self._recovered_meta, report = restored
-                self._load_dense_state(self._recovered_meta)
+                self._resume_meta, report = restored
+                self._recovered = True
+                self._load_dense_state(self._resume_meta)
                 if self.is_global_zero:
                     _announce(f"{report}; resuming")
         if state is not None:
@@ -241,11 +247,12 @@ class DLRoverStrategy(DDPStrategy):
         if not any(isinstance(c, _CommitPoint) for c in trainer.callbacks):
             trainer.callbacks.append(_CommitPoint())  # last: after every checkpoint of the batch
         if fallback is not None:
-            self._recovered_meta = self._fall_back_to_checkpoint(trainer, fallback)
-        if self._recovered_meta is not None:
+            self._resume_meta = self._fall_back_to_checkpoint(trainer, fallback)
+            self._recovered = True
+        if self._resume_meta is not None:
             if self._coded is not None:
-                self._coded.committed_step = self._recovered_meta["global_step"]
-            trainer._checkpoint_connector._loaded_checkpoint = self._recovered_meta  # restored like a checkpoint
+                self._coded.committed_step = self._resume_meta["global_step"]
+            trainer._checkpoint_connector._loaded_checkpoint = self._resume_meta  # restored like a checkpoint
         for spill in spills:  # the state they held is live again (or superseded by the checkpoint)
             spill.path.unlink(missing_ok=True)
 
@@ -358,6 +365,11 @@ class DLRoverStrategy(DDPStrategy):
                 _announce(f"training resumed: step {step} committed")
         self._reach("after_commit", step)
 
+    def on_train_start(self) -> None:
+        """Forgets the restored state once Lightning has resumed from it."""
+        super().on_train_start()
+        self._resume_meta = None
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state dict (empty while :meth:`commit` snapshots the trainer state: the tables are coded)."""
         return {} if self._snapshotting else super().lightning_module_state_dict()
@@ -382,7 +394,8 @@ class DLRoverStrategy(DDPStrategy):
         stopped = time.time()
         if self._coded is None:
             step = self.lightning_module.trainer.global_step
-            spill = Spill(self.global_rank, self.world_size, step, 0, 0, self.num_processes, 0, [], None, None, None)
+            spill = Spill(self.global_rank, self.world_size, step, k=0, r=0, local_world_size=self.num_processes,
+                          chunk_len=0, layouts=[], chunks=None, parity=None, meta=None)
         else:
             spill = self._coded_spill()
         path = write_spill(directory, spill)
@@ -525,11 +538,11 @@ class DLRoverStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Loads a checkpoint of :meth:`save_checkpoint` into the current sharding, on any world size.
 
-        After set-up restored a failed job's state (see :meth:`setup`), that state is returned instead.
+        While a failed job's state restored by set-up is pending (see :meth:`setup`), that is returned instead.
         """
-        if self._recovered_meta is not None:
+        if self._resume_meta is not None:
             rank_zero_info(f"DLRoverStrategy: not loading {checkpoint_path}: the job resumes from its restored state.")
-            return self._recovered_meta
+            return self._resume_meta
         path = Path(self.broadcast(str(checkpoint_path)))
         if not (path / META_FILE).is_file():
             raise FileNotFoundError(
