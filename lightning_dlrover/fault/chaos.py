@@ -43,7 +43,8 @@ _FALLBACK = re.compile(rf"lightning_dlrover \[{_TIME}\]: (.*Resuming from checkp
 _RESUMED = re.compile(rf"lightning_dlrover \[{_TIME}\]: training resumed")
 _DIGEST = re.compile(r"^state digest: ([0-9a-f]{64})$", re.MULTILINE)
 _STEP_DIGEST = re.compile(r"^state digest at step (\d+): ([0-9a-f]{64})$", re.MULTILINE)
-#: Every run prints the state digest at its start and after every step, to compare the restored state.
+#: With a reference run, both runs print the state digest at their start and after every step (a gather of the
+#: whole state per step), to compare the restored state with the fault-free one.
 DIGEST_ARGS = [
     "--trainer.callbacks+=lightning_dlrover.StateDigest",
     "--trainer.callbacks.at_start=true",
@@ -100,7 +101,7 @@ class Cluster:
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={rdzv}", "--max-restarts=3", "--monitor-interval=0.2",
             "-m", "lightning_dlrover", "fit", "--config", str(a.config),
-            f"--trainer.default_root_dir={self.job.workdir}", *a.overrides, *DIGEST_ARGS,
+            f"--trainer.default_root_dir={self.job.workdir}", *a.overrides, *([] if a.no_reference else DIGEST_ARGS),
         ]  # fmt: skip
         full_env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
         full_env.update({SPILL_ENV: str(self.spill_root / f"node{index}"), **STORE_ENV, **(env or {})})
