@@ -221,7 +221,7 @@ def _decode(
                 sends[decoder[rank]].append(spill.chunks[shard] if shard < k else spill.parity[shard - k])
     received = exchange({d: torch.cat(t) for d, t in sends.items()}, torch.uint8)
     code, offsets = ReedSolomonCode(k, placement.r), defaultdict(int)
-    rebuilt: dict[int, list[Tensor]] = defaultdict(list)
+    rebuilt = {rank: torch.empty(k, chunk_len, dtype=torch.uint8) for rank in lost if decoder[rank] == me}
     for rank, chunk, sources in plan:
         if decoder[rank] != me:
             continue
@@ -230,8 +230,8 @@ def _decode(
             at = offsets[holders[src]]
             shards[shard] = received[holders[src]][at : at + chunk_len]
             offsets[holders[src]] = at + chunk_len
-        rebuilt[rank].append(code.reconstruct(shards, [chunk])[0])
-    return {rank: torch.stack(parts) for rank, parts in rebuilt.items()}
+        code.reconstruct(shards, [chunk], out=rebuilt[rank][chunk : chunk + 1])
+    return rebuilt
 
 
 def _reshard(state: CodedState, layouts: list[list[SegmentSpec]], chunk_len: int, chunks: dict[int, Tensor], step: int) -> None:
