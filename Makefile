@@ -31,6 +31,8 @@ bench: $(STAMP)
 	$(PY) bench/bench_parity.py
 	$(PY) bench/bench_checkpoint.py
 	$(PY) bench/bench_strategy.py
+	$(PY) bench/bench_fault_tolerance.py
+	$(PY) bench/bench_recovery.py
 
 clean:
 	rm -rf $(VENV) build runs *.egg-info
