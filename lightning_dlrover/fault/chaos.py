@@ -219,8 +219,8 @@ def summarize(args: argparse.Namespace, finished: bool, output: str, reference_o
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="lightning-dlrover chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a `lightning-dlrover fit` config")
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--nodes", type=int, default=2, help="torchrun agents to start, each a node")
+    parser.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node")
     parser.add_argument("--kill-node", type=int, required=True, help="index of the node to kill (0-based)")
     parser.add_argument("--at-step", type=int, required=True, help="training step at which the node dies")
     parser.add_argument("--phase", choices=PHASES, default="before_forward")
