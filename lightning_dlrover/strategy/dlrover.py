@@ -101,12 +101,13 @@ def _record_failure(*args: Any, previous: Callable[..., None] = sys.excepthook) 
 
 
 def _exit_after_finished_fit() -> None:
-    """Under ``torchrun``: ends a worker whose training finished, and that raised nothing since, with status 0
-    right after Python's exit handlers, skipping C++ static destructors.
+    """Ends a rank of a multi-process job whose training finished, and that raised nothing since, with status 0
+    right after the exit handlers registered after the strategy's set-up, skipping C++ static destructors.
 
-    One of them sometimes destroys a still-joinable thread and aborts the finished worker ("terminate called
-    without an active exception", 2 in 18 runs here), and ``torchrun`` then restarts the whole job. A
-    ``sys.exit(n)`` after a finished ``fit`` therefore exits with 0 under ``torchrun``.
+    One of them sometimes destroys a still-joinable thread and aborts the finished process ("terminate
+    called without an active exception": 3 in 18 ``torchrun`` runs here, and in the test suite's popen
+    launches), which fails the job; ``torchrun`` would even restart it. A ``sys.exit(n)`` after a finished
+    ``fit`` therefore exits with 0.
     """
     if _exit_state["fit_finished"] and not _exit_state["failed"]:
         logging.shutdown()
@@ -198,11 +199,9 @@ class DLRoverStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         """Initialises the process group, and destroys it at interpreter exit."""
         super().setup_environment()
-        if "TORCHELASTIC_RUN_ID" in os.environ and sys.excepthook is not _record_failure:
+        if sys.excepthook is not _record_failure:
             sys.excepthook = _record_failure
             atexit.register(_exit_after_finished_fit)  # registered first, so it runs after the destroy below
-        # Left to interpreter shutdown, gloo's threads are sometimes destroyed while joinable, which aborts
-        # a finished process ("terminate called without an active exception"); an explicit destroy does not.
         atexit.register(_destroy_process_group)
 
     @property
@@ -532,7 +531,7 @@ class DLRoverStrategy(DDPStrategy):
             if self.is_global_zero:
                 print(f"state digest: {digest}", flush=True)
             log.info("state digest: %s", digest)
-        _exit_state["fit_finished"] = True
+        _exit_state["fit_finished"] = self.world_size > 1  # one process (a notebook, a test) exits as usual
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Writes a sharded checkpoint directory at ``filepath`` from every rank (collective).
