@@ -15,6 +15,7 @@ machines would. Logs of every agent are kept under ``--workdir``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import re
@@ -27,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from torch.distributed import TCPStore
 
 from lightning_dlrover.fault.injector import FAULT_ENV, PHASES
@@ -65,8 +67,12 @@ class Job:
         return "\n".join(path.read_text(errors="replace") for path in self.logs if path.exists())
 
     def kill(self) -> None:
+        """SIGKILLs every agent still running and its workers (which ``torchrun`` starts in their own sessions)."""
         for agent in self.agents:
             if agent.poll() is None:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    for process in psutil.Process(agent.pid).children(recursive=True):
+                        process.kill()
                 agent.kill()
         for agent in self.agents:
             agent.wait()
