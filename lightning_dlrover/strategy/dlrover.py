@@ -182,7 +182,7 @@ class DLRoverStrategy(DDPStrategy):
         self._replicated = ReplicatedSnapshot(self._replicated_tensors)
         self._committed_meta: dict[str, Any] | None = None  # the trainer's state at the last commit
         self._resume_meta: dict[str, Any] | None = None  # restored by set-up, for Lightning to resume from
-        self._started = self._recovered = self._snapshotting = self._resume_announced = False
+        self._started = self._ready = self._recovered = self._snapshotting = self._resume_announced = False
         #: Called as ``point(phase, step)`` at ``before_forward``, ``after_optimizer`` and ``during_parity_commit``
         #: of training step ``step`` (see :class:`~lightning_dlrover.fault.FaultInjector`), and at ``after_commit``
         #: with ``step`` the number of committed steps.
@@ -280,6 +280,7 @@ class DLRoverStrategy(DDPStrategy):
             trainer._checkpoint_connector._loaded_checkpoint = self._resume_meta  # restored like a checkpoint
         for spill in spills:  # the state they held is live again (or superseded by the checkpoint)
             spill.path.unlink(missing_ok=True)
+        self._ready = True
 
     def _encode_parity(self, state: CodedState) -> CodedEmbeddings:
         """Encodes the parity every rank holds of ``state`` (collective) and reports its size."""
@@ -405,7 +406,7 @@ class DLRoverStrategy(DDPStrategy):
         The in-flight step is rolled back first; a spill needs no other rank.
         """
         directory = spill_dir()
-        if directory is None or self._dmp is None:
+        if directory is None or not self._ready:  # nothing to keep from a set-up that failed
             return
         # The launcher SIGTERMs the other workers of a failed node; Lightning's handler would run a collective.
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
