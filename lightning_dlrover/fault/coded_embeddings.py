@@ -22,6 +22,7 @@ are again those of step ``s - 1``, and the lost ranks are decoded at that step. 
 from __future__ import annotations
 
 from collections import defaultdict
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -170,7 +171,7 @@ class CodedEmbeddings:
                 f"{len(lost)} ranks lost ({lost}) but parity tolerates r={r}; restore the last checkpoint instead."
             )
         self.rollback()
-        plan = self._decode_plan(lost)
+        plan = self.placement.decode_plan(lost)
         sends: dict[int, list[Tensor]] = defaultdict(list)
         for dst, _, sources in plan:
             for src, shard in sources:
@@ -191,17 +192,3 @@ class CodedEmbeddings:
         if self.rank in lost:
             self._encode_held(received)
         self.state.commit()
-
-    def _decode_plan(self, lost: list[int]) -> list[tuple[int, int, list[tuple[int, int]]]]:
-        """``(lost rank, chunk, [(source rank, code shard id)] * k)`` for every lost data chunk.
-
-        A data shard ``c`` of a group is chunk ``c`` of its data rank; a parity shard ``k + p`` is row ``p``
-        of its parity rank's ``parity``. The same plan is computed on every rank.
-        """
-        plan = []
-        for rank in lost:
-            for chunk in range(self.placement.k):
-                members = self.placement.members(self.placement.group_of_chunk(rank, chunk))
-                sources = [(m, shard) for shard, m in enumerate(members) if m not in lost][: self.placement.k]
-                plan.append((rank, chunk, sources))
-        return plan

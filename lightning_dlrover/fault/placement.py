@@ -92,3 +92,16 @@ class ParityPlacement:
     def members(self, group: int) -> list[int]:
         """Ranks of ``group`` by code shard id: ``k`` data ranks, then ``r`` parity ranks."""
         return [self.data_rank(group, c) for c in range(self.k)] + [self.parity_rank(group, p) for p in range(self.r)]
+
+    def decode_plan(self, lost: list[int]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """``(lost rank, chunk, [(source rank, code shard id)] * k)`` for every data chunk of the ``lost`` ranks.
+
+        A data shard ``c`` of a group is chunk ``c`` of its data rank; a parity shard ``k + p`` is parity row
+        ``p`` of its parity rank. Sources are the group's first ``k`` members that are not lost.
+        """
+        plan = []
+        for rank in lost:
+            for chunk in range(self.k):
+                members = self.members(self.group_of_chunk(rank, chunk))
+                plan.append((rank, chunk, [(m, shard) for shard, m in enumerate(members) if m not in lost][: self.k]))
+        return plan

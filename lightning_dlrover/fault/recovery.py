@@ -208,11 +208,7 @@ def _decode(
     """Rebuilds every lost rank's chunks ``[k, chunk_len]`` on worker ``i mod W`` for the ``i``-th lost rank."""
     me, world, k = dist.get_rank(), dist.get_world_size(), placement.k
     decoder = {rank: i % world for i, rank in enumerate(lost)}
-    plan = []  # (lost rank, chunk, [(source rank, code shard id)] * k)
-    for rank in lost:
-        for chunk in range(k):
-            members = placement.members(placement.group_of_chunk(rank, chunk))
-            plan.append((rank, chunk, [(m, shard) for shard, m in enumerate(members) if m not in lost][:k]))
+    plan = placement.decode_plan(lost)
     sends: dict[int, list[Tensor]] = defaultdict(list)
     for rank, _, sources in plan:
         for src, shard in sources:

@@ -92,12 +92,13 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-_exit_state = {"fit_finished": False, "failed": False}
+_exit_state: dict[str, Any] = {"fit_finished": False, "failed": False, "excepthook": None}
 
 
-def _record_failure(*args: Any, previous: Callable[..., None] = sys.excepthook) -> None:
+def _record_failure(*args: Any) -> None:
+    """``sys.excepthook``: notes that the process is failing, then defers to the hook it replaced."""
     _exit_state["failed"] = True
-    previous(*args)
+    _exit_state["excepthook"](*args)
 
 
 def _exit_after_finished_fit() -> None:
@@ -199,8 +200,8 @@ class DLRoverStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         """Initialises the process group, and destroys it at interpreter exit."""
         super().setup_environment()
-        if sys.excepthook is not _record_failure:
-            sys.excepthook = _record_failure
+        if _exit_state["excepthook"] is None:
+            _exit_state["excepthook"], sys.excepthook = sys.excepthook, _record_failure
             atexit.register(_exit_after_finished_fit)  # registered first, so it runs after the destroy below
         atexit.register(_destroy_process_group)
 
