@@ -2,8 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_dlrover.fault import ParityConfig
-from lightning_dlrover.fault.recovery import elastic_trainer_args
+from lightning_dlrover.fault import FaultInjector, ParityConfig, elastic_trainer_args
 from lightning_dlrover.monitor import StateDigest, ThroughputMonitor
 from lightning_dlrover.strategy import DLRoverStrategy, TableConstraint
 
@@ -12,6 +11,7 @@ DLRoverStrategy.register_strategies(StrategyRegistry)
 __version__ = "0.1.0"
 __all__ = [
     "DLRoverStrategy",
+    "FaultInjector",
     "ParityConfig",
     "StateDigest",
     "TableConstraint",

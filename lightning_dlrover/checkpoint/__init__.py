@@ -1,4 +1,4 @@
-"""Sharded checkpoint backends and the sharding-independent state digest."""
+"""Sharded checkpoint backends and the checkpoint directory format."""
 
 from lightning_dlrover.checkpoint.backends import (
     BACKENDS,
@@ -7,7 +7,6 @@ from lightning_dlrover.checkpoint.backends import (
     TorchSnapshotBackend,
     get_backend,
 )
-from lightning_dlrover.checkpoint.digest import state_digest
 from lightning_dlrover.checkpoint.sharded import complete_sharded_state, flatten
 
 __all__ = [
@@ -18,5 +17,4 @@ __all__ = [
     "complete_sharded_state",
     "flatten",
     "get_backend",
-    "state_digest",
 ]

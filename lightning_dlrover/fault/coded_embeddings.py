@@ -3,16 +3,17 @@
 Commit protocol (one training step ``s``; ``committed_step`` is ``s - 1`` before it):
 
 1. Forward: a pre-hook on every fused embedding kernel records the rows it will update and saves their
-   bytes (weights and optimizer state) in the rank's undo log, before the in-backward optimizer runs.
-2. Backward and optimizer step update those rows in place.
-3. :meth:`CodedEmbeddings.send_deltas`: every rank sends ``old XOR new`` of its touched rows, tagged with
-   ``s``, to the parity holders of their groups; each holder folds them into its parity and keeps them
-   as its own undo log (XOR is its own inverse).
-4. :meth:`CodedEmbeddings.commit`: a vote (an all-reduce) that every rank reaches only after applying every
-   delta it received. When it completes, step ``s`` is committed: undo logs are dropped and
-   ``committed_step = s``. ``DLRoverStrategy`` votes at the end of the training batch, after every callback's
-   ``on_train_batch_end`` (checkpoints included), together with a snapshot of the trainer's state, so the
-   committed embedding rows, dense state, loop progress and data position always belong to the same step.
+   bytes (weights and optimizer state) in the rank's undo log, before the in-backward optimizer runs
+   (every forward of the step: several forwards, or manual optimisation, are covered).
+2. Backward(s) and optimizer step(s) update those rows in place.
+3. :meth:`CodedEmbeddings.send_deltas`, once per step whatever the number of backward passes and
+   optimizer calls: every rank sends ``old XOR new`` of its touched rows to the parity holders of their
+   groups; each holder folds them into its parity and keeps them as its own undo log (XOR is its own inverse).
+4. :meth:`CodedEmbeddings.commit`: a vote (an all-gather of every rank's ballot) that every rank reaches only
+   after applying every delta it received. When it completes, step ``s`` is committed: undo logs are dropped
+   and ``committed_step = s``. :class:`~lightning_dlrover.fault.FaultManager` runs steps 3-4 once the whole
+   training step is over (callbacks, LR schedulers, validation), with snapshots of the dense and trainer state
+   and every rank's random generators (the ballots), so all of it belongs to the same step.
 
 A failure before the vote completes leaves step ``s`` uncommitted everywhere; :meth:`rollback` undoes
 it on the survivors (rows restored from the undo log, received deltas re-applied), so data and parity
@@ -28,24 +29,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dlrover.fault.coded_state import CodedState
+from lightning_dlrover.fault.decode import decode_lost
+from lightning_dlrover.fault.messages import exchange, pack, unpack
 from lightning_dlrover.fault.placement import ParityPlacement
-from lightning_dlrover.parity import ReedSolomonCode, as_bytes
-
-def exchange(sends: dict[int, Tensor], dtype: torch.dtype) -> dict[int, Tensor]:
-    """Point-to-point exchange of 1-D tensors: ``sends[dst]`` goes to ``dst``; returns what each rank sent here."""
-    world, me = dist.get_world_size(), dist.get_rank()
-    counts = torch.tensor([sends[d].numel() if d in sends else 0 for d in range(world)], dtype=torch.int64)
-    incoming = torch.empty_like(counts)
-    dist.all_to_all_single(incoming, counts)
-    received = {src: torch.empty(int(n), dtype=dtype) for src, n in enumerate(incoming.tolist()) if n and src != me}
-    ops = [dist.P2POp(dist.isend, t.contiguous(), d) for d, t in sends.items() if t.numel() and d != me]
-    ops += [dist.P2POp(dist.irecv, t, src) for src, t in received.items()]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    if me in sends and sends[me].numel():
-        received[me] = sends[me].clone()
-    return received
+from lightning_dlrover.parity import ReedSolomonCode
 
 
 class CodedEmbeddings:
@@ -74,7 +61,7 @@ class CodedEmbeddings:
                 for c in range(self.placement.k):
                     if self.placement.data_rank(group, c) == self.rank:
                         sends[dst].append(self.state.read_chunk(c))
-        return exchange({d: torch.cat(t) for d, t in sends.items()}, torch.uint8)
+        return exchange({d: torch.cat(t) for d, t in sends.items()})
 
     def _encode_held(self, received: dict[int, Tensor]) -> None:
         """Encodes this rank's parity rows from the group data chunks received by :meth:`_group_chunks`."""
@@ -117,35 +104,32 @@ class CodedEmbeddings:
                     head = torch.tensor([p, chunk, block_delta.shape[1], len(block_slots)], dtype=torch.int64)
                     headers[dst] += [head, block_slots]
                     payload[dst].append(block_delta.reshape(-1))
-        messages = {}
-        for dst, head in headers.items():
-            words = torch.cat([torch.tensor([sum(h.numel() for h in head)], dtype=torch.int64), *head])
-            messages[dst] = torch.cat([as_bytes(words), *payload[dst]])
-        received = exchange(messages, torch.uint8)
+        received = exchange({dst: pack(head, payload[dst]) for dst, head in headers.items()})
         for message in received.values():
             for p, c, slots, deltas in self._blocks(message):
                 self._apply(p, c, slots, deltas)
                 self._pending.append((p, c, slots, deltas))
 
-    def commit(self, step: int) -> None:
-        """The vote (an all-reduce, reached by every rank only after :meth:`send_deltas`): commits ``step``."""
-        flag = torch.ones(1)
-        dist.all_reduce(flag)
+    def commit(self, step: int, ballot: Tensor) -> list[Tensor]:
+        """The vote: an all-gather of every rank's ``ballot`` (uint8, the same size on every rank), reached by
+        every rank only after :meth:`send_deltas`. When it completes, ``step`` is committed; returns the ballots."""
+        ballots = [torch.empty_like(ballot) for _ in range(self.placement.world_size)]
+        dist.all_gather(ballots, ballot)
         self.state.commit()
         self._pending.clear()
         self.committed_step = step
+        return ballots
 
     @staticmethod
     def _blocks(message: Tensor) -> list[tuple[int, int, Tensor, Tensor]]:
-        """Parses a delta message: ``int64 H``, ``H`` int64 header words (per block ``p, c, row_bytes, n``
-        then ``n`` row slots), then the blocks' delta bytes in order. Returns ``(p, c, slots, deltas [n, row_bytes])``."""
-        words = int(message[:8].view(torch.int64))
-        header = message[8 : 8 + 8 * words].view(torch.int64)
-        data_at, at, blocks = 8 + 8 * words, 0, []
-        while at < words:
+        """Parses a delta message (header words per block: ``p, c, row_bytes, n`` then ``n`` row slots; payload:
+        the blocks' delta bytes in order). Returns ``(p, c, slots, deltas [n, row_bytes])`` per block."""
+        header, data = unpack(message)
+        data_at, at, blocks = 0, 0, []
+        while at < header.numel():
             p, c, row_bytes, n = header[at : at + 4].tolist()
             slots = header[at + 4 : at + 4 + n]
-            blocks.append((p, c, slots, message[data_at : data_at + n * row_bytes].view(n, row_bytes)))
+            blocks.append((p, c, slots, data[data_at : data_at + n * row_bytes].view(n, row_bytes)))
             at, data_at = at + 4 + n, data_at + n * row_bytes
         return blocks
 
@@ -171,22 +155,11 @@ class CodedEmbeddings:
                 f"{len(lost)} ranks lost ({lost}) but parity tolerates r={r}; restore the last checkpoint instead."
             )
         self.rollback()
-        plan = self.placement.decode_plan(lost)
-        sends: dict[int, list[Tensor]] = defaultdict(list)
-        for dst, _, sources in plan:
-            for src, shard in sources:
-                if src == self.rank:
-                    sends[dst].append(self.state.read_chunk(shard) if shard < k else self.parity[shard - k])
-        received = exchange({d: torch.cat(t) for d, t in sends.items()}, torch.uint8)
-        offsets: dict[int, int] = defaultdict(int)
-        for dst, chunk, sources in plan:
-            if dst != self.rank:
-                continue
-            shards = {}
-            for src, shard in sources:
-                shards[shard] = received[src][offsets[src] : offsets[src] + self.state.chunk_len]
-                offsets[src] += self.state.chunk_len
-            self.state.write_chunk(chunk, self.code.reconstruct(shards, [chunk])[0])
+        same = lambda rank: rank  # noqa: E731  (in place: every rank holds and rebuilds its own chunks)
+        read = lambda _, shard: self.state.read_chunk(shard) if shard < k else self.parity[shard - k]  # noqa: E731
+        rebuilt = decode_lost(self.placement, self.state.chunk_len, lost, self.rank, same, same, read)
+        for chunk, data in enumerate(rebuilt.get(self.rank, [])):
+            self.state.write_chunk(chunk, data)
         # The lost ranks' own parity shares are re-encoded from the (now complete) data.
         received = self._group_chunks(lost)
         if self.rank in lost:

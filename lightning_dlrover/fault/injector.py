@@ -11,11 +11,13 @@ or through the environment, which reaches every rank a launcher starts::
 
     LIGHTNING_DLROVER_FAULT=rank=1,step=5,phase=after_optimizer[,signal=SIGTERM]
     LIGHTNING_DLROVER_FAULT=step=5,phase=after_optimizer,target=node   # set on one torchrun agent only
+    LIGHTNING_DLROVER_FAULT=step=5,phase=after_optimizer,target=all    # every rank dies at once
 
 ``target=node`` takes down the whole node as a lost machine would: the first worker that reaches the point
 SIGKILLs its ``torchrun`` agent (its parent process), the agent's other workers, then itself. A job that
 resumed from a failure (``DLRoverStrategy.recovered``) never fires again, so the restarted workers, which
-inherit the same environment, replay the step instead of dying again.
+inherit the same environment, replay the step instead of dying again. ``target=all`` kills every rank that
+reaches the point (the whole job at once, as a power cut would): nobody is left to spill.
 
 ``step=S`` is the 0-based index of a training step: the step that runs while ``trainer.global_step == S``,
 whose optimizer update is the ``S + 1``-th and leaves ``trainer.global_step == S + 1``. ``step=0`` is the
@@ -42,14 +44,16 @@ import lightning.pytorch as pl
 import psutil
 import torch.distributed as dist
 
+from lightning_dlrover.monitor.events import emit
+
 #: Environment variable read by :meth:`FaultInjector.from_env`.
 FAULT_ENV = "LIGHTNING_DLROVER_FAULT"
 #: The fault points of a training step, in the order they are reached.
 PHASES = ("before_forward", "after_optimizer", "during_parity_commit")
 #: Signals the injector can send.
 SIGNALS = ("SIGKILL", "SIGTERM")
-TARGETS = ("rank", "node")
-ENV_FORMAT = "rank=R,step=S,phase=P[,signal=SIGKILL|SIGTERM] or step=S,phase=P,target=node"
+TARGETS = ("rank", "node", "all")
+ENV_FORMAT = "rank=R,step=S,phase=P[,signal=SIGKILL|SIGTERM] or step=S,phase=P,target=node|all"
 
 
 class FaultInjector(pl.Callback):
@@ -61,8 +65,8 @@ class FaultInjector(pl.Callback):
         phase: ``"before_forward"``, ``"after_optimizer"`` or ``"during_parity_commit"`` (see the module docs).
         signal: ``"SIGKILL"`` (the process dies at once, as on a lost machine) or ``"SIGTERM"`` (the process's
             handlers run first: Lightning's stops the trainer on that rank).
-        target: ``"rank"``, or ``"node"``: SIGKILL this worker's ``torchrun`` agent and all its workers (see the
-            module docs).
+        target: ``"rank"``; ``"node"``: SIGKILL this worker's ``torchrun`` agent and all its workers; ``"all"``:
+            every rank kills itself (see the module docs).
 
     As a callback, :meth:`setup` registers it in ``DLRoverStrategy.fault_points`` (without the callback:
     :meth:`attach`); the strategy calls it as ``injector(phase, step)`` with ``step = trainer.global_step``.
@@ -166,6 +170,9 @@ class FaultInjector(pl.Callback):
             return
         pid = os.getpid()
         sys.stdout.flush()
+        sys.stderr.flush()
+        emit("fault_injected", step=step, phase=phase, target=self.target, signal=self.signal,
+             committed_step=getattr(self._strategy, "committed_step", None))
         if self.target == "node":
             agent = psutil.Process(os.getppid())
             workers = [p for p in agent.children() if p.pid != pid]

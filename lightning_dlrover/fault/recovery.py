@@ -4,9 +4,10 @@ job decodes the lost ranks from it and re-shards everything onto its own (possib
 The elastic launcher (``torchrun``) restarts every worker of the job when one fails, so in-memory state
 must outlive the worker process. When a rank sees a failure (a collective raising on a dead peer or on
 its timeout, or the launcher's SIGTERM), it rolls back to the last committed step and *spills*: it writes
-its ``k`` data chunks, its ``r`` parity chunks, every rank's chunk layout and the committed trainer state
-(loops, data position, callbacks, dense parameters and optimizer state) to one file in a node-local
-shared-memory directory (:func:`spill_dir`). Spilling reads memory only; it needs no peer.
+its ``k`` data chunks, its ``r`` parity chunks, every rank's chunk layout, every rank's random generators and
+the committed trainer state (loops, data position, callbacks, dense parameters, buffers and optimizer state)
+to one file in a node-local shared-memory directory (see :mod:`lightning_dlrover.fault.spill`). Spilling
+reads memory only; it needs no peer.
 
 The restarted workers (survivors, replacements, or fewer or more ranks) call :func:`restore` from
 ``DLRoverStrategy.setup``, after TorchRec has sharded the model for the new world:
@@ -25,107 +26,20 @@ Parity is then encoded afresh for the new layout by :class:`~lightning_dlrover.f
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dlrover.fault.coded_embeddings import exchange
 from lightning_dlrover.fault.coded_state import CodedState, SegmentSpec, chunk_layout
+from lightning_dlrover.fault.decode import decode_lost
+from lightning_dlrover.fault.messages import exchange, pack, unpack
 from lightning_dlrover.fault.placement import ParityPlacement
-from lightning_dlrover.parity import ReedSolomonCode, as_bytes
-
-log = logging.getLogger(__name__)
-
-#: Environment variable naming this node's spill directory (default: under ``/dev/shm``, per elastic run).
-SPILL_ENV = "LIGHTNING_DLROVER_SPILL_DIR"
-
-
-def spill_dir() -> Path | None:
-    """This node's spill directory: ``$LIGHTNING_DLROVER_SPILL_DIR``, else ``/dev/shm/lightning_dlrover/<run id>``
-    under ``torchrun`` (``TORCHELASTIC_RUN_ID``); ``None`` when neither is set (no launcher restarts workers)."""
-    if os.environ.get(SPILL_ENV):
-        return Path(os.environ[SPILL_ENV])
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return Path("/dev/shm/lightning_dlrover") / os.environ["TORCHELASTIC_RUN_ID"]
-    return None
-
-
-def elastic_trainer_args() -> dict[str, int]:
-    """``Trainer(devices=..., num_nodes=...)`` of the current ``torchrun`` worker group, ``{}`` outside ``torchrun``.
-
-    After a shrink or grow the world size is no longer the one the job was launched with, and Lightning
-    rejects a ``devices * num_nodes`` that differs from ``WORLD_SIZE``; pass these instead of constants.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return {}
-    local = int(os.environ["LOCAL_WORLD_SIZE"])
-    return {"devices": local, "num_nodes": int(os.environ["WORLD_SIZE"]) // local}
-
-
-@dataclass
-class Spill:
-    """What one rank leaves in shared memory when it fails: its coded state at the committed ``step``.
-
-    Attributes:
-        rank, world_size: the rank's place in the job that failed.
-        step: the committed step (``trainer.global_step``) the state belongs to.
-        k, r, local_world_size, chunk_len: the parity code, ranks per node and chunk length of that job.
-        layouts: every rank's segment specs (to decode and re-shard a lost rank's chunks).
-        chunks: uint8 ``[k, chunk_len]``, the rank's data chunks.
-        parity: uint8 ``[r, chunk_len]``, the parity chunks the rank held.
-        meta: the trainer's state at ``step`` as a Lightning checkpoint dict (``state_dict``: dense tensors only).
-
-    A job without parity spills only where it stopped (``k = 0``, no state): its restart resumes from a checkpoint.
-    """
-
-    rank: int
-    world_size: int
-    step: int
-    k: int
-    r: int
-    local_world_size: int
-    chunk_len: int
-    layouts: list[list[SegmentSpec]]
-    chunks: Tensor | None
-    parity: Tensor | None
-    meta: dict[str, Any] | None
-    path: Path | None = field(default=None, compare=False)
-
-    @property
-    def generation(self) -> tuple[int, int, int, int, int]:
-        return self.world_size, self.step, self.k, self.r, self.local_world_size
-
-
-def write_spill(directory: Path, spill: Spill) -> Path:
-    """Writes ``spill`` as ``rank<R>.pt`` in ``directory`` (atomically: a reader never sees a partial file)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"rank{spill.rank}.pt"
-    partial = path.with_name(path.name + f".{os.getpid()}.partial")
-    torch.save({k: v for k, v in vars(spill).items() if k != "path"}, partial)
-    partial.rename(path)
-    return path
-
-
-def read_spills(directory: Path | None, local_rank: int, local_world_size: int) -> list[Spill]:
-    """This worker's share of the node's spills: every ``local_world_size``-th file from ``local_rank`` on."""
-    if directory is None or not directory.is_dir():
-        return []
-    paths = sorted(directory.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))[local_rank::local_world_size]
-    spills = []
-    for path in paths:
-        try:
-            spills.append(Spill(**torch.load(path, map_location="cpu", mmap=True, weights_only=False), path=path))
-        except Exception as err:  # a truncated or foreign file is a lost rank, not a crash
-            log.warning("lightning_dlrover: ignoring unreadable spill %s: %s", path, err)
-    return spills
+from lightning_dlrover.fault.spill import Spill
 
 
 class Unrecoverable(RuntimeError):
@@ -139,13 +53,16 @@ class Unrecoverable(RuntimeError):
 @dataclass
 class RecoveryReport:
     """What :func:`restore` did: the recovered ``step``, the failed job's ``world_size``, the ``lost`` ranks
-    (decoded), and seconds spent decoding and re-sharding."""
+    (decoded), seconds spent decoding and re-sharding, and the trainer state (``meta``) and every old rank's
+    random generators (``rng``, uint8 ``[old world, n]``) of the recovered step."""
 
     step: int
     world_size: int
     lost: list[int]
     decode_s: float
     reshard_s: float
+    meta: dict[str, Any] | None = None
+    rng: Tensor | None = None
 
     def __str__(self) -> str:
         lost = f"decoded lost ranks {self.lost}" if self.lost else "no rank lost"
@@ -155,11 +72,11 @@ class RecoveryReport:
         )
 
 
-def restore(state: CodedState | None, spills: list[Spill]) -> tuple[dict[str, Any] | None, RecoveryReport] | None:
+def restore(state: CodedState | None, spills: list[Spill]) -> RecoveryReport | None:
     """Rebuilds the committed embedding state of a failed job from the spills into ``state``'s live buffers
-    (a collective on every rank of the new job; ``state`` is ``None`` when this job has no parity). Returns the
-    spilled trainer state (``None``: the job failed before its first commit) and a report, or ``None`` when no
-    rank has a spill (a fresh start). Raises :class:`Unrecoverable` on every rank alike."""
+    (a collective on every rank of the new job; ``state`` is ``None`` when this job has no parity). Returns a
+    report with the spilled trainer state, or ``None`` when no rank has a spill. Raises :class:`Unrecoverable`
+    on every rank alike."""
     me, world = dist.get_rank(), dist.get_world_size()
     gathered: list[list[tuple[int, tuple[int, ...]]]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(gathered, [(s.rank, s.generation) for s in spills])
@@ -169,9 +86,8 @@ def restore(state: CodedState | None, spills: list[Spill]) -> tuple[dict[str, An
     counts = Counter(gen for _, _, gen in entries)
     generation = max(counts, key=lambda gen: (counts[gen], gen[1]))
     old_world, step, k, r, local_world_size = generation
-    if k == 0 or state is None:
-        where = "the failed job" if k == 0 else "this job"
-        raise Unrecoverable(f"The job stopped at step {step}, and {where} keeps no parity of its embedding state.", step)
+    if state is None:
+        raise Unrecoverable(f"The job stopped at step {step}, and this job keeps no parity of its embedding state.", step)
     holders: dict[int, int] = {}
     for holder, rank, gen in entries:
         if gen == generation:
@@ -186,48 +102,26 @@ def restore(state: CodedState | None, spills: list[Spill]) -> tuple[dict[str, An
                 f"{group} (ranks {placement.members(group)}) lost more than r={r} members and cannot be decoded.",
                 step,
             )
-    source = [None, None, None]
+    source = [None, None, None, None]
     if me == min(holders.values()):
         first = held[min(held)]
-        source = [first.layouts, first.chunk_len, first.meta]
+        source = [first.layouts, first.chunk_len, first.meta, first.rng]
     dist.broadcast_object_list(source, src=min(holders.values()))
-    layouts, chunk_len, meta = source
+    layouts, chunk_len, meta, rng = source
 
     started = time.perf_counter()
     chunks = {rank: spill.chunks for rank, spill in held.items()}
-    chunks.update(_decode(placement, holders, held, lost, chunk_len))
+    chunks.update(
+        decode_lost(
+            placement, chunk_len, lost, me,
+            holder=holders.__getitem__,
+            decoder={rank: i % world for i, rank in enumerate(lost)}.__getitem__,
+            read=lambda rank, shard: held[rank].chunks[shard] if shard < k else held[rank].parity[shard - k],
+        )
+    )  # fmt: skip
     decoded = time.perf_counter()
     _reshard(state, layouts, chunk_len, chunks, step)
-    report = RecoveryReport(step, old_world, lost, decoded - started, time.perf_counter() - decoded)
-    return meta, report
-
-
-def _decode(
-    placement: ParityPlacement, holders: dict[int, int], held: dict[int, Spill], lost: list[int], chunk_len: int
-) -> dict[int, Tensor]:
-    """Rebuilds every lost rank's chunks ``[k, chunk_len]`` on worker ``i mod W`` for the ``i``-th lost rank."""
-    me, world, k = dist.get_rank(), dist.get_world_size(), placement.k
-    decoder = {rank: i % world for i, rank in enumerate(lost)}
-    plan = placement.decode_plan(lost)
-    sends: dict[int, list[Tensor]] = defaultdict(list)
-    for rank, _, sources in plan:
-        for src, shard in sources:
-            if holders[src] == me:
-                spill = held[src]
-                sends[decoder[rank]].append(spill.chunks[shard] if shard < k else spill.parity[shard - k])
-    received = exchange({d: torch.cat(t) for d, t in sends.items()}, torch.uint8)
-    code, offsets = ReedSolomonCode(k, placement.r), defaultdict(int)
-    rebuilt = {rank: torch.empty(k, chunk_len, dtype=torch.uint8) for rank in lost if decoder[rank] == me}
-    for rank, chunk, sources in plan:
-        if decoder[rank] != me:
-            continue
-        shards = {}
-        for src, shard in sources:
-            at = offsets[holders[src]]
-            shards[shard] = received[holders[src]][at : at + chunk_len]
-            offsets[holders[src]] = at + chunk_len
-        code.reconstruct(shards, [chunk], out=rebuilt[rank][chunk : chunk + 1])
-    return rebuilt
+    return RecoveryReport(step, old_world, lost, decoded - started, time.perf_counter() - decoded, meta, rng)
 
 
 def _reshard(state: CodedState, layouts: list[list[SegmentSpec]], chunk_len: int, chunks: dict[int, Tensor], step: int) -> None:
@@ -258,18 +152,13 @@ def _reshard(state: CodedState, layouts: list[list[SegmentSpec]], chunk_len: int
                 src_b0 = b0 + _column_bytes(new) - _column_bytes(spec)
                 headers[dst] += [index, r0 - new.offsets[0], r1 - r0, b0, b1 - b0]
                 payload[dst].append(rows[r0 - lo : r1 - lo, src_b0 : src_b0 + b1 - b0].reshape(-1))
-    messages = {}
-    for dst, head in headers.items():
-        words = torch.tensor([len(head), *head], dtype=torch.int64)
-        messages[dst] = torch.cat([as_bytes(words), *payload[dst]])
-    received = exchange(messages, torch.uint8)
+    received = exchange({dst: pack(head, payload[dst]) for dst, head in headers.items()})
     covered = [0] * len(state.segments)
     for message in received.values():
-        count = int(message[:8].view(torch.int64))
-        header = message[8 : 8 + 8 * count].view(torch.int64).view(-1, 5).tolist()
-        at = 8 + 8 * count
-        for index, row, n, b0, width in header:
-            state.segments[index].row_view()[row : row + n, b0 : b0 + width] = message[at : at + n * width].view(n, width)
+        words, data = unpack(message)
+        at = 0
+        for index, row, n, b0, width in words.view(-1, 5).tolist():
+            state.segments[index].row_view()[row : row + n, b0 : b0 + width] = data[at : at + n * width].view(n, width)
             covered[index] += n * width
             at += n * width
     missing = [s.key for s, seg, got in zip(state.specs, state.segments, covered) if got != seg.rows * seg.row_bytes]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,8 @@ class TableConstraint:
 
 def check_choices(field: str, values: list[str] | None, allowed: list[str]) -> None:
     """Raises a ``ValueError`` naming ``field`` if a value is not one of ``allowed``."""
+    if values is not None and not values:
+        raise ValueError(f"strategy.{field} is empty: leave it out for the defaults, or name some of {allowed}.")
     for value in values or []:
         if value not in allowed:
             raise ValueError(f"strategy.{field}: {value!r} is not one of {allowed}.")
@@ -68,6 +72,39 @@ def unfused_embedding_parameters(module: nn.Module) -> list[str]:
         for name, param in child.named_parameters()
         if not getattr(param, "_in_backward_optimizers", None)
     ]
+
+
+#: In-backward optimizers FBGEMM's fused kernels run on CPU (its CPU kernels have no Adam, LAMB, LARS ...).
+CPU_FUSED_OPTIMIZERS = ("SGD", "Adagrad", "RowWiseAdagrad")
+
+
+def unsupported_cpu_optimizers(module: nn.Module) -> dict[str, str]:
+    """``{parameter: optimizer class}`` of embedding parameters whose in-backward optimizer FBGEMM cannot run on CPU."""
+    return {
+        f"{path}.{name}": cls.__name__
+        for path, child in module.named_modules()
+        if isinstance(child, (EmbeddingBagCollection, EmbeddingCollection))
+        for name, param in child.named_parameters()
+        for cls in getattr(param, "_optimizer_classes", [])
+        if cls.__name__ not in CPU_FUSED_OPTIMIZERS
+    }
+
+
+def check_elastic_sizes(world_sizes: list[int], global_batch: int | None, parity: tuple[int, int] | None) -> None:
+    """Rejects a job that could not run at one of the world sizes its ``--nnodes MIN:MAX`` range allows."""
+    smallest = min(world_sizes)
+    if parity is not None and sum(parity) > smallest:
+        k, r = parity
+        raise ValueError(
+            f"strategy.parity: k + r = {k} + {r} needs {k + r} ranks, but the job may shrink to {smallest} ranks "
+            f"(torchrun --nnodes allows world sizes {world_sizes}). Lower k, or raise the minimum number of nodes."
+        )
+    if global_batch is not None and (bad := [w for w in world_sizes if global_batch % w]):
+        raise ValueError(
+            f"data.global_batch_size={global_batch} is not divisible by the world sizes {bad} that torchrun --nnodes "
+            f"allows (every size in {world_sizes} must divide it). Choose a multiple of "
+            f"{math.lcm(*world_sizes)}, or narrow the node range."
+        )
 
 
 def build_constraints(

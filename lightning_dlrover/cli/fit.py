@@ -1,14 +1,12 @@
-"""``lightning-dlrover`` command line: LightningCLI for the DLRM (``lightning-dlrover fit --config configs/demo.yaml``)."""
+"""``lightning-dlrover fit``: LightningCLI for the DLRM (``lightning-dlrover fit --config configs/demo.yaml``)."""
 
 from __future__ import annotations
-
-import sys
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_dlrover  # noqa: F401  (registers strategy="dlrover")
 from lightning_dlrover.data import DLRMDataModule
-from lightning_dlrover.fault.recovery import elastic_trainer_args
+from lightning_dlrover.fault import elastic_trainer_args
 from lightning_dlrover.models import DLRMModule
 
 
@@ -25,13 +23,8 @@ class DLRoverCLI(LightningCLI):
             config.trainer[key] = value
 
 
-def main(args: list[str] | None = None) -> None:
-    """Runs the CLI (``args`` defaults to ``sys.argv[1:]``); ``lightning-dlrover chaos ...`` runs the chaos drill."""
-    args = sys.argv[1:] if args is None else args
-    if args[:1] == ["chaos"]:
-        from lightning_dlrover.fault.chaos import main as chaos
-
-        sys.exit(chaos(args[1:]))
+def fit(args: list[str]) -> None:
+    """Runs LightningCLI with ``args`` (e.g. ``["fit", "--config", "configs/demo.yaml"]``)."""
     DLRoverCLI(
         DLRMModule,
         DLRMDataModule,

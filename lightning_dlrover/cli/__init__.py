@@ -1,0 +1,17 @@
+"""``lightning-dlrover``: ``fit`` (and the other LightningCLI subcommands) for the DLRM, and ``chaos``, a node-loss drill."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(args: list[str] | None = None) -> None:
+    """Runs the command line (``args`` defaults to ``sys.argv[1:]``)."""
+    args = sys.argv[1:] if args is None else args
+    if args[:1] == ["chaos"]:
+        from lightning_dlrover.cli.chaos import main as chaos
+
+        sys.exit(chaos(args[1:]))
+    from lightning_dlrover.cli.fit import fit
+
+    fit(args)

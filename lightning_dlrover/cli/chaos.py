@@ -1,0 +1,321 @@
+"""``lightning-dlrover chaos``: a node-loss drill on one machine.
+
+Starts a multi-node job as several ``torchrun`` agents on 127.0.0.1 (c10d rendezvous on a store this
+runner hosts, so that no node's death takes the rendezvous with it), kills one node (its agent and
+workers, SIGKILL) when it reaches a given step, optionally starts a replacement node, and reports whether
+the job recovered, how long detection and resumption took, how many committed steps were lost, and
+whether the final state digest equals that of the same job run without a fault::
+
+    lightning-dlrover chaos --nodes 2 --kill-node 0 --at-step 12 --replace
+
+Each node gets its own spill directory (``/dev/shm/lightning_dlrover-<uid>/<run>/node<i>``), as separate
+machines would. Logs of every agent and the job's structured events (``events.jsonl``, read for the report)
+are kept under ``--workdir``. ``--script`` drills your own training script instead of the DLRM config;
+``--kill-all`` kills every rank at once (the job must fall back to its newest checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import psutil
+from torch.distributed import TCPStore
+
+from lightning_dlrover.fault.injector import FAULT_ENV, PHASES
+from lightning_dlrover.fault.spill import SPILL_ENV
+from lightning_dlrover.monitor.events import EVENTS_ENV, Event, read_events
+from lightning_dlrover.strategy.dlrover import DIGEST_EVERY_ENV
+
+#: Restarted workers must not share the agents' store: they would read addresses the dead workers left there.
+STORE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+DEFAULT_CONFIG = resources.files("lightning_dlrover.cli") / "configs" / "chaos.yaml"
+
+
+@dataclass
+class Job:
+    """The agents of one multi-node run and their logs."""
+
+    name: str
+    workdir: Path
+    agents: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+
+    def output(self) -> str:
+        return "\n".join(path.read_text(errors="replace") for path in self.logs if path.exists())
+
+    def events(self) -> list[Event]:
+        """The job's structured events (every rank of every node appends to one file)."""
+        return read_events([self.workdir / "events.jsonl"])
+
+    def kill(self) -> None:
+        """SIGKILLs every agent still running and its workers (which ``torchrun`` starts in their own sessions)."""
+        for agent in self.agents:
+            if agent.poll() is None:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    for process in psutil.Process(agent.pid).children(recursive=True):
+                        process.kill()
+                agent.kill()
+        for agent in self.agents:
+            agent.wait()
+
+
+def _loopback_store() -> tuple[TCPStore, socket.socket]:
+    """A rendezvous store listening on 127.0.0.1 only (``TCPStore`` alone binds every interface)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    store = TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                     master_listen_fd=sock.fileno())
+    return store, sock
+
+
+class Cluster:
+    """Starts ``torchrun`` agents of one job, each as a separate node with its own spill directory."""
+
+    def __init__(self, args: argparse.Namespace, name: str, min_nodes: int) -> None:
+        self.args, self.name, self.min_nodes = args, name, min_nodes
+        self.store, self._socket = _loopback_store()
+        self.port = self._socket.getsockname()[1]
+        self.run_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.spill_root = Path("/dev/shm") / f"lightning_dlrover-{os.getuid()}" / self.run_id
+        self.job = Job(name, args.workdir / name)
+        shutil.rmtree(self.job.workdir, ignore_errors=True)  # no checkpoints of an earlier drill
+        self.job.workdir.mkdir(parents=True)
+
+    def start_node(self, index: int, env: dict[str, str] | None = None) -> None:
+        """Starts agent ``index`` (a node) with ``--nproc-per-node`` workers."""
+        a = self.args
+        rdzv = f"is_host=false,join_timeout={a.timeout},last_call_timeout={a.last_call},keep_alive_interval=1"
+        command = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={self.min_nodes}:{a.nodes}", f"--nproc-per-node={a.nproc_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf={rdzv}", "--max-restarts=3", "--monitor-interval=0.2",
+            *self._program(),
+        ]  # fmt: skip
+        full_env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, DIGEST_EVERY_ENV)}
+        full_env.update({SPILL_ENV: str(self.spill_root / f"node{index}"), EVENTS_ENV: str(self.job.workdir / "events.jsonl"),
+                         **STORE_ENV, **(env or {})})
+        if not a.no_reference:
+            full_env[DIGEST_EVERY_ENV] = "1"  # digests at the start and after every step, to compare states
+        log = self.job.workdir / f"node{index}.log"
+        with open(log, "w") as out:
+            agent = subprocess.Popen(command, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     cwd=self.job.workdir)  # a script's relative paths (checkpoints) stay per run
+        self.job.agents.append(agent)
+        self.job.logs.append(log)
+
+    def _program(self) -> list[str]:
+        a = self.args
+        if a.script is not None:
+            return [str(a.script), *a.overrides]
+        return ["-m", "lightning_dlrover", "fit", "--config", str(a.config),
+                f"--trainer.default_root_dir={self.job.workdir}", *a.overrides]
+
+    def wait(self, until: float) -> bool:
+        """Waits for every agent to exit; ``False`` if one is still running at time ``until``."""
+        for agent in self.job.agents:
+            try:
+                agent.wait(timeout=max(until - time.time(), 0.1))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+    def close(self) -> None:
+        self.job.kill()
+        self._socket.close()
+        shutil.rmtree(self.spill_root, ignore_errors=True)
+
+
+def _reference_run(args: argparse.Namespace) -> list[Event] | None:
+    """The events of the same job without a fault (``None`` if it did not finish)."""
+    cluster = Cluster(args, "reference", args.nodes)
+    try:
+        for index in range(args.nodes):
+            cluster.start_node(index)
+        return cluster.job.events() if cluster.wait(time.time() + args.timeout) else None
+    finally:
+        cluster.close()
+
+
+def _faulted_run(args: argparse.Namespace) -> tuple[bool, list[Event]]:
+    """Runs the job, kills node ``--kill-node`` (or every rank) at ``--at-step``, optionally replaces the node;
+    returns (finished, events)."""
+    min_nodes = args.nodes if args.replace or args.kill_all else args.nodes - 1
+    cluster = Cluster(args, "faulted", min_nodes)
+    fault = f"step={args.at_step},phase={args.phase},target={'all' if args.kill_all else 'node'}"
+    deadline = time.time() + args.timeout
+    try:
+        for index in range(args.nodes):
+            cluster.start_node(index, {FAULT_ENV: fault} if args.kill_all or index == args.kill_node else None)
+        if args.kill_all:
+            finished = all(a.wait(timeout=max(deadline - time.time(), 0.1)) == 0 for a in cluster.job.agents)
+            return finished, cluster.job.events()
+        victim = cluster.job.agents[args.kill_node]
+        while victim.poll() is None and time.time() < deadline:
+            if any(a.poll() is not None for a in cluster.job.agents if a is not victim):
+                break
+            time.sleep(0.2)
+        if victim.poll() not in (None, 0) and args.replace:
+            print(f"chaos: node {args.kill_node} is down; starting a replacement node", flush=True)
+            cluster.start_node(args.nodes)
+        elif victim.poll() not in (None, 0) and args.rejoin_after is not None:
+            while not any(e.kind == "resumed" for e in cluster.job.events()) and time.time() < deadline:
+                time.sleep(0.2)
+            time.sleep(args.rejoin_after)
+            print(f"chaos: a node rejoins {args.rejoin_after} s after the shrunk job resumed", flush=True)
+            cluster.start_node(args.nodes)
+        survivors = [a for a in cluster.job.agents if a is not victim]
+        finished = all(a.wait(timeout=max(deadline - time.time(), 0.1)) == 0 for a in survivors)
+        return finished, cluster.job.events()
+    except subprocess.TimeoutExpired:
+        return False, cluster.job.events()
+    finally:
+        cluster.close()
+
+
+def _digests(events: list[Event], after: float = 0.0) -> dict[int, str]:
+    """``{step: digest}`` of the per-step digests recorded after time ``after`` (the first one of each step)."""
+    found: dict[int, str] = {}
+    for e in events:
+        if e.kind == "digest" and not e["final"] and e.time >= after:
+            found.setdefault(e.step, e["digest"])
+    return found
+
+
+def _describe_recovery(e: Event) -> str:
+    if e.kind == "restored":
+        lost = f"decoded lost ranks {e['lost_ranks']}" if e["lost_ranks"] else "no rank lost"
+        return (f"yes, from survivors' spills (recovered step {e.step} of a {e['old_world_size']}-rank job onto "
+                f"{e['world_size']} ranks: {lost} (decode {e['decode_s']:.3f} s, re-shard {e['reshard_s']:.3f} s))")
+    if e["checkpoint"] is None:
+        return f"no checkpoint: started over from step 0 ({e['why']})"
+    return f"from the last checkpoint ({e['why']} Resuming from {e['checkpoint']} at step {e.step})"
+
+
+def summarize(args: argparse.Namespace, finished: bool, events: list[Event], reference: list[Event] | None) -> list[str]:
+    """The report's lines, computed from the jobs' events: recovered or not, detection time, time to resume,
+    steps lost (the last committed step before the kill against the step the job resumed at), and whether the
+    restored and final states equal the fault-free run's."""
+    injected = [e for e in events if e.kind == "fault_injected"]
+    kill = injected[0] if injected else None
+    after = kill.time if kill else 0.0
+    recoveries = [e for e in events if e.kind in ("restored", "fallback") and e.time >= after]
+    stopped = [e.time for e in events if e.kind == "stopped" and e.time >= after]
+    resumed = [e.time for e in events if e.kind == "resumed" and e.time >= after]
+    finals = [e["digest"] for e in events if e.kind == "digest" and e["final"]]
+    fault_free = ([e["digest"] for e in reference if e.kind == "digest" and e["final"]] or [None])[-1] if reference else None
+    victim = "every rank" if args.kill_all else f"node {args.kill_node}"
+    lines = [
+        f"nodes: {args.nodes} x {args.nproc_per_node} ranks; killed {victim} at step {args.at_step} ({args.phase}); "
+        f"replacement: {'yes' if args.replace else 'no' if args.kill_all else 'no (shrink)'}"
+        + (f", a node rejoins {args.rejoin_after} s after it resumed" if args.rejoin_after is not None else ""),
+        f"node killed: {'yes' if kill is not None else 'no'}",
+    ]
+    lines += [f"recovered: {_describe_recovery(e)}" for e in recoveries] or ["recovered: no"]
+    first = recoveries[0] if recoveries else None
+    if first is not None:
+        lines.append(f"resumed at step: {first.step}")
+        expected = _digests(reference or []).get(first.step)
+        restored = _digests(events, after=first.time).get(first.step)
+        verdict = ("yes" if restored == expected else "no") if expected and restored else "no (cannot confirm: " + (
+            "no fault-free run" if not reference else "no digest of that step") + ")"
+        lines.append(f"restored state equals the fault-free state at step {first.step}: {verdict}")
+    if kill is not None and stopped:
+        lines.append(f"detection: {min(stopped) - kill.time:.2f} s (kill to the first survivor stopping)")
+    if kill is not None and first is not None:
+        lines.append(f"state restored: {first.time - kill.time:.2f} s after the kill (restart, rendezvous, decode, re-shard)")
+    if kill is not None and resumed:
+        lines.append(f"time to resume: {resumed[0] - kill.time:.2f} s (kill to the first committed step after)")
+    committed = kill["committed_step"] if kill is not None else None
+    lost = committed - first.step if first is not None and committed is not None else "unknown"
+    lines.append(f"last committed step before the kill: {committed if committed is not None else 'unknown'}")
+    lines.append(f"steps lost: {lost}")
+    lines.append(f"job finished: {'yes' if finished else 'no'}")
+    lines.append(f"final digest: {finals[-1] if finals else 'none'}")
+    if fault_free is not None:
+        lines.append(f"fault-free digest: {fault_free}")
+    match = bool(finals) and fault_free is not None and finals[-1] == fault_free and finished
+    lines.append(f"digest match: {'yes' if match else 'no'}{'' if reference else ' (no fault-free run to compare)'}")
+    return lines
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lightning-dlrover chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=Path(str(DEFAULT_CONFIG)), help="a `lightning-dlrover fit` config")
+    parser.add_argument("--script", type=Path, default=None,
+                        help="your own training script, run by torchrun in place of `lightning-dlrover fit` (it must take "
+                             "devices and nodes from lightning_dlrover.elastic_trainer_args()); extra arguments go to it")
+    parser.add_argument("--nodes", type=int, default=2, help="torchrun agents to start, each a node")
+    parser.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node")
+    parser.add_argument("--kill-node", type=int, default=0, help="index of the node to kill (0-based)")
+    parser.add_argument("--kill-all", action="store_true",
+                        help="SIGKILL every rank at once (agents live on and restart them; nobody can spill)")
+    parser.add_argument("--at-step", type=int, required=True, help="training step at which the node dies")
+    parser.add_argument("--phase", choices=PHASES, default="before_forward")
+    parser.add_argument("--replace", action="store_true", help="start a replacement node (else the job shrinks)")
+    parser.add_argument("--rejoin-after", type=float, default=None, metavar="SECONDS",
+                        help="without --replace: a new node joins this long after the shrunk job resumed, and the "
+                             "job grows again")
+    parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run (no digest match)")
+    parser.add_argument("--reuse-reference", action="store_true",
+                        help="reuse the fault-free run a previous drill with the same config and options left in --workdir")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds each run may take")
+    parser.add_argument("--last-call", type=int, default=3, help="rendezvous last-call wait, seconds")
+    parser.add_argument("--workdir", type=Path, default=Path("runs/chaos"))
+    parser.add_argument("overrides", nargs="*", help="extra `fit` arguments, e.g. --trainer.max_steps=40")
+    args, unknown = parser.parse_known_args(argv)
+    args.overrides += unknown
+    if not 0 <= args.kill_node < args.nodes:
+        parser.error(f"--kill-node {args.kill_node} is not a node of --nodes {args.nodes}")
+    if args.replace and args.rejoin_after is not None:
+        parser.error("--rejoin-after is for a job that shrinks first; leave out --replace")
+    if args.nodes < 2 and not args.replace and not args.kill_all:
+        parser.error("a job of one node cannot shrink: pass --replace or --nodes >= 2")
+    if args.script is None and not args.config.is_file():
+        parser.error(f"--config {args.config} does not exist")
+    if args.script is not None and not args.script.is_file():
+        parser.error(f"--script {args.script} does not exist")
+    if args.kill_all and (args.replace or args.rejoin_after is not None):
+        parser.error("--kill-all restarts the same nodes; leave out --replace and --rejoin-after")
+    args.workdir = args.workdir.resolve()
+    args.config = args.config.resolve()
+    args.script = args.script.resolve() if args.script is not None else None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the drill and prints its summary; exit status 0 when the job recovered and finished."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    reference = None
+    if not args.no_reference:
+        program = (args.script or args.config).read_bytes()
+        key = hashlib.sha256(repr([program, args.nodes, args.nproc_per_node, args.overrides]).encode())
+        cached = args.workdir / f"reference-{key.hexdigest()[:16]}.jsonl"
+        if args.reuse_reference and cached.is_file():
+            reference = read_events([cached])
+        else:
+            print("chaos: fault-free reference run ...", flush=True)
+            reference = _reference_run(args)
+            if reference is not None:
+                shutil.copy(args.workdir / "reference" / "events.jsonl", cached)
+    victim = "every rank" if args.kill_all else f"node {args.kill_node}"
+    print(f"chaos: run with {victim} killed at step {args.at_step} ...", flush=True)
+    finished, events = _faulted_run(args)
+    print("\nchaos summary")
+    for line in summarize(args, finished, events, reference):
+        print(f"  {line}")
+    sys.stdout.flush()
+    return 0 if finished else 1

@@ -1,0 +1,60 @@
+"""What the elastic launcher (``torchrun``) tells its workers, read in one place."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+#: Environment variable giving the smallest number of nodes the job may shrink to, where the launcher's
+#: command line cannot be read (it wins over ``--nnodes MIN:MAX``).
+MIN_NODES_ENV = "LIGHTNING_DLROVER_MIN_NODES"
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a worker of ``torchrun``'s elastic agent."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def restart_count() -> int:
+    """How many times the agent restarted this worker group (0 on the first start or outside ``torchrun``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def elastic_trainer_args() -> dict[str, int]:
+    """``Trainer(devices=..., num_nodes=...)`` of the current ``torchrun`` worker group, ``{}`` outside ``torchrun``.
+
+    After a shrink or grow the world size is no longer the one the job was launched with, and Lightning
+    rejects a ``devices * num_nodes`` that differs from ``WORLD_SIZE``; pass these instead of constants.
+    """
+    if not under_torchrun():
+        return {}
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    return {"devices": local, "num_nodes": int(os.environ["WORLD_SIZE"]) // local}
+
+
+def node_range() -> tuple[int, int] | None:
+    """``(min, max)`` nodes of the elastic job: ``$LIGHTNING_DLROVER_MIN_NODES`` (max = current nodes), else the
+    agent's ``--nnodes`` (``N`` or ``MIN:MAX``; also ``$PET_NNODES``); ``None`` when neither can be read.
+
+    ``torchrun`` does not pass the range to its workers, so it is read from the agent's command line.
+    """
+    if not under_torchrun():
+        return None
+    nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+    if os.environ.get(MIN_NODES_ENV):
+        return int(os.environ[MIN_NODES_ENV]), nodes
+    value = os.environ.get("PET_NNODES")
+    try:
+        argv = psutil.Process(os.getppid()).cmdline()
+    except psutil.Error:
+        argv = []
+    for i, arg in enumerate(argv):
+        if arg == "--nnodes" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--nnodes="):
+            value = arg.split("=", 1)[1]
+    if not value:
+        return None
+    low, _, high = value.partition(":")
+    return int(low), int(high or low)

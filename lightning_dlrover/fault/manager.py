@@ -1,0 +1,339 @@
+"""``FaultManager``: the fault-tolerance protocol of a training job in one object.
+
+It owns the per-step commit (parity deltas, the vote, snapshots of the dense state, the trainer state and
+every rank's random generators), the spill when a rank fails, the restore after ``torchrun`` restarts the
+workers, the fallback to a checkpoint when parity cannot cover a loss (or nothing was spilled), in-process
+recovery, and the recovery events. A training strategy drives it through a handful of calls::
+
+    manager.start(host, trainer_state)     # set-up: restore a failed job, encode parity -> state to resume from
+    manager.begin_step(step)               # before the forward of a training step
+    manager.end_step(step, trainer_state)  # once the whole step is over (callbacks, schedulers, validation)
+    manager.on_exception(error)            # spill
+    manager.finish()                       # fit ended normally: nothing left behind
+
+What is committed at step ``s`` is everything a checkpoint at ``s`` holds, plus the random generators:
+resuming from it is exact for any model (Dropout, BatchNorm, any dense optimizer, manual optimisation).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from lightning_dlrover.fault import rng
+from lightning_dlrover.fault.coded_embeddings import CodedEmbeddings
+from lightning_dlrover.fault.coded_state import CodedState
+from lightning_dlrover.fault.launcher import restart_count, under_torchrun
+from lightning_dlrover.fault.placement import ParityConfig, ParityPlacement
+from lightning_dlrover.fault.recovery import RecoveryReport, Unrecoverable, restore
+from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot
+from lightning_dlrover.fault.spill import (
+    ProgressRecord,
+    Spill,
+    UnsafeSpillDir,
+    job_identity,
+    last_committed_step,
+    read_spills,
+    spill_dir,
+    write_spill,
+)
+from lightning_dlrover.monitor import StepTimer, emit
+
+
+class Host(Protocol):
+    """What the manager needs from the training strategy (``DLRoverStrategy`` is one)."""
+
+    global_rank: int
+    world_size: int
+    local_rank: int
+    num_processes: int  # ranks on this node
+    model: nn.Module  # the sharded model (TorchRec ``DistributedModelParallel``)
+    lightning_module: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def latest_checkpoint(self, at_most: int | None) -> Path | None: ...
+
+    def load_checkpoint(self, checkpoint_path: Path) -> dict[str, Any]: ...
+
+
+class FaultManager:
+    """Commit protocol, spill, restore, fallback and recovery events of one training job (see the module docs).
+
+    Args:
+        parity: erasure code of the embedding state, ``None`` for none (a failure then falls back to a checkpoint).
+        timer: where the commit's time is accounted (section ``parity``).
+    """
+
+    def __init__(self, parity: ParityConfig | None, timer: StepTimer | None = None) -> None:
+        self.parity = parity
+        self.timer = timer or StepTimer()
+        self.coded: CodedEmbeddings | None = None
+        #: The last step whose state every rank holds (``trainer.global_step``); -1 before the start.
+        self.committed_step = -1
+        #: Whether the start restored a failed job (from survivors' spills or a fallback checkpoint).
+        self.recovered = False
+        #: Called as ``point(phase, step)`` at ``before_forward``, ``after_optimizer`` and ``during_parity_commit``
+        #: of the step in flight (``step``: its index, the ``global_step`` it started at), and at ``after_commit``
+        #: with ``step`` the committed step.
+        self.fault_points: list[Callable[[str, int], None]] = []
+        self._host: Host | None = None
+        self._dense: ReplicatedSnapshot | None = None
+        self._meta: dict[str, Any] | None = None  # trainer state at the committed step (no tables)
+        self._rng: Tensor | None = None  # every rank's generators at the committed step, [world, n]
+        self._rng_len = 0
+        self._pending_rng: Tensor | None = None  # restored generators, applied before the first resumed step
+        self._in_flight: int | None = None  # index of the step in flight
+        self._announce_resume = False
+        self._progress: ProgressRecord | None = None
+        self._spill_dir: Path | None = None
+
+    # ----------------------------------------------------------------------------------------- start
+    def start(self, host: Host, trainer_state: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """Restores a failed job (survivors' spills, else its newest checkpoint) into the sharded model and encodes
+        parity (collective). Returns the trainer state for Lightning to resume from, ``None`` for a fresh start."""
+        self._host = host
+        self._dense = ReplicatedSnapshot(self._dense_tensors(host))
+        state = CodedState(host.model, self.parity.k) if self.parity is not None else None
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(host.world_size)]
+        dist.all_gather(lengths, torch.tensor([rng.capture().numel()]))
+        self._rng_len = int(max(lengths))
+        resume, reason = None, None
+        if under_torchrun():
+            resume, reason = self._restore(host, state)
+        if state is not None:
+            self.coded = self._encode(host, state)
+        if reason is not None:
+            resume = self._fall_back(host, reason)
+        if resume is not None:
+            self.recovered = self._announce_resume = True
+            self.committed_step = resume["global_step"]
+            self._meta = dict(resume)
+        elif self.committed_step < 0:
+            self.committed_step = 0
+        self._dense.take()
+        if self._spill_dir is not None:
+            try:
+                self._progress = ProgressRecord(self._spill_dir, host.global_rank)
+            except (OSError, UnsafeSpillDir) as err:
+                emit("stale_spills_refused", paths=[str(self._spill_dir)], why=str(err),
+                     message=f"not recording progress: {err}")
+        return resume
+
+    def _restore(self, host: Host, state: CodedState | None) -> tuple[dict[str, Any] | None, Unrecoverable | None]:
+        """Decodes the spills of a failed launch of this job; the reason to fall back when they cannot be used."""
+        self._spill_dir = spill_dir()
+        spills, refused = read_spills(self._spill_dir, host.local_rank, host.num_processes)
+        if refused:
+            emit("stale_spills_refused", paths=[r.split(":")[0] for r in refused], why="; ".join(refused),
+                 message="refused spills: " + "; ".join(refused))
+        reached = last_committed_step(self._spill_dir) if host.local_rank == 0 else None
+        facts = [None] * host.world_size
+        dist.all_gather_object(facts, (reached, restart_count()))
+        progress = max((f[0] for f in facts if f[0] is not None), default=None)
+        restarted = progress is not None or max(f[1] for f in facts) > 0
+        try:
+            report = restore(state, spills)
+        except Unrecoverable as err:
+            return None, err
+        finally:
+            for spill in spills:  # live again, or superseded by the checkpoint
+                if spill.path is not None:
+                    spill.path.unlink(missing_ok=True)
+        if report is None:
+            if restarted:  # every rank died at once, or was killed before it could spill
+                step = progress if progress is not None else -1
+                return None, Unrecoverable("The job was restarted but no rank spilled its state.", step)
+            return None, None
+        self._load_dense_state(host, report)
+        if host.is_global_zero:
+            emit("restored", step=report.step, old_world_size=report.world_size, world_size=host.world_size,
+                 lost_ranks=report.lost, decode_s=report.decode_s, reshard_s=report.reshard_s,
+                 message=f"{report}; resuming")
+        return report.meta, None
+
+    def _load_dense_state(self, host: Host, report: RecoveryReport) -> None:
+        """Copies the spilled dense parameters and buffers into the model; keeps this rank's generators."""
+        if report.meta is not None:
+            live = host.lightning_module.state_dict()
+            for key, value in report.meta.pop("state_dict").items():
+                live[key].copy_(value)
+            report.meta["state_dict"] = {}
+        self.set_restored_rng(report.rng)
+
+    def set_restored_rng(self, states: Tensor | None) -> None:
+        """Every old rank's generators (``[old world, n]``); this rank takes its row before the first resumed step."""
+        rank = self._host.global_rank if self._host is not None else dist.get_rank()
+        self._pending_rng = states[rank].clone() if states is not None and rank < len(states) else None
+        self._rng = states
+
+    def _encode(self, host: Host, state: CodedState) -> CodedEmbeddings:
+        assert self.parity is not None
+        k, r = self.parity.k, self.parity.r
+        placement = ParityPlacement(host.world_size, k, r, host.num_processes)
+        coded = CodedEmbeddings(state, placement)
+        if host.is_global_zero:
+            state_bytes, parity_bytes = state.num_bytes, coded.parity.numel()
+            node = ""
+            if placement.nodes > 1:
+                node = (f", and so is any one of the {placement.nodes} nodes" if placement.tolerates_node_loss else
+                        "; a lost node is NOT (it holds too many members of a parity group: raise r or add nodes)")
+            print(f"DLRoverStrategy parity k={k} r={r}: rank 0 codes {state_bytes / 2**20:.2f} MiB of embedding state "
+                  f"and holds {parity_bytes / 2**20:.2f} MiB of parity ({parity_bytes / max(state_bytes, 1):.0%}); "
+                  f"any {r} lost ranks are recoverable{node}.", flush=True)
+        return coded
+
+    def _fall_back(self, host: Host, reason: Unrecoverable) -> dict[str, Any] | None:
+        """Loads the newest checkpoint not past the failure; with none, says loudly that training starts over."""
+        at_most = reason.step if reason.step >= 0 else None
+        path = host.latest_checkpoint(at_most)
+        failed = reason.step if reason.step >= 0 else None
+        if path is None:
+            lost = f"{failed} committed steps lost" if failed is not None else "the steps it had trained are lost"
+            if host.is_global_zero:
+                emit("fallback", step=0, why=str(reason), checkpoint=None, failed_step=failed, steps_lost=failed,
+                     load_s=0.0, message=f"WARNING: {reason} There is no checkpoint to fall back to (add a "
+                     f"ModelCheckpoint(every_n_train_steps=N)): training STARTS OVER FROM STEP 0; {lost}.")
+            return None
+        started = time.perf_counter()
+        meta = host.load_checkpoint(path)
+        seconds, step = time.perf_counter() - started, meta["global_step"]
+        lost = failed - step if failed is not None else None
+        if host.is_global_zero:
+            emit("fallback", step=step, why=str(reason), checkpoint=str(path), failed_step=failed, steps_lost=lost,
+                 load_s=seconds, message=f"{reason} Resuming from checkpoint {path} at step {step} (loaded in "
+                 f"{seconds:.3f} s): {lost if lost is not None else 'an unknown number of'} committed steps lost")
+        return meta
+
+    @staticmethod
+    def _dense_tensors(host: Host) -> Callable[[], list[Tensor]]:
+        """The replicated state: every dense parameter and buffer, and the dense optimizers' state tensors."""
+        module = [v for v in host.lightning_module.state_dict(keep_vars=True).values()
+                  if isinstance(v, Tensor) and not isinstance(v, ShardedTensor) and not v.is_meta]
+
+        def tensors() -> list[Tensor]:
+            state = [v for opt in host.optimizers for group in opt.param_groups for p in group["params"]
+                     for _, v in sorted(opt.state.get(p, {}).items()) if torch.is_tensor(v)]
+            return [*module, *state]
+
+        return tensors
+
+    # ------------------------------------------------------------------------------------ each step
+    def reach(self, phase: str, step: int) -> None:
+        for point in self.fault_points:
+            point(phase, step)
+
+    def begin_step(self, step: int) -> None:
+        """Before the forward of the step that starts at ``global_step == step``: applies restored generators."""
+        if self._pending_rng is not None:
+            rng.restore(self._pending_rng)
+            self._pending_rng = None
+        if self._in_flight is None:
+            self._in_flight = step
+        self.reach("before_forward", step)
+
+    def end_step(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
+        """Commits the step that just ended (``step``: ``global_step`` after it) once nothing of it is left to run."""
+        if self._in_flight is None:  # no training step ran since the last commit (e.g. Lightning skipping a batch)
+            return
+        index, self._in_flight = self._in_flight, None
+        self.reach("after_optimizer", index)
+        if self.coded is not None:
+            with self.timer.section("parity"):
+                self.coded.send_deltas()
+                self.reach("during_parity_commit", index)
+                meta = trainer_state()
+                ballots = self.coded.commit(step, rng.pad(rng.capture(), self._rng_len))
+                assert self._dense is not None
+                self._dense.take()
+                self._meta, self._rng = meta, torch.stack(ballots)
+        self.committed_step = step
+        if self._progress is not None:
+            self._progress.write(step)
+        if self._announce_resume:
+            self._announce_resume = False
+            if self._host is not None and self._host.is_global_zero:
+                emit("resumed", step=step, message=f"training resumed: step {step} committed")
+        self.reach("after_commit", step)
+
+    def after_checkpoint_load(self, meta: dict[str, Any]) -> None:
+        """A checkpoint was loaded into the model: re-encode parity, keep its step and generators as committed."""
+        if self.coded is not None:
+            self.coded.encode()
+        states = meta.get("dlrover_rng")
+        if states is not None:
+            self.set_restored_rng(states)
+
+    def after_optimizer_state_load(self) -> None:
+        """The dense optimizers' state was restored: it is the committed replicated state."""
+        if self._dense is not None:
+            self._dense.take()
+
+    # ------------------------------------------------------------------------------------ failures
+    def on_exception(self, error: BaseException) -> None:
+        """Spills this rank's committed state to shared memory for the restarted job (under ``torchrun``; with parity).
+        The step in flight is rolled back first; a spill needs no other rank."""
+        if self._host is None or self._spill_dir is None or self.coded is None:
+            return
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher SIGTERMs a failed node's workers
+        stopped = time.time()
+        try:
+            path = write_spill(self._spill_dir, self._committed_spill())
+        except (OSError, UnsafeSpillDir) as err:
+            path = f"nothing ({err})"
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        emit("stopped", step=self.committed_step, reason=reason, spill=str(path), spill_s=time.time() - stopped,
+             message=f"rank {self._host.global_rank} stopped at {stopped:.3f} ({reason}); spilled the state of step "
+             f"{self.committed_step} to {path} in {time.time() - stopped:.3f} s")
+
+    def _committed_spill(self) -> Spill:
+        """This rank's coded state and the trainer's state at the last commit (the step in flight rolled back)."""
+        assert self.coded is not None and self._host is not None and self._dense is not None
+        self.coded.rollback()
+        self._dense.restore()
+        meta = None
+        if self._meta is not None:
+            dense = {k: v for k, v in self._host.lightning_module.state_dict().items()
+                     if not isinstance(v, ShardedTensor)}
+            meta = {**self._meta, "state_dict": dense}
+        state, placement = self.coded.state, self.coded.placement
+        return Spill(
+            rank=self._host.global_rank, world_size=self._host.world_size, step=self.committed_step, k=state.k,
+            r=placement.r, local_world_size=placement.local_world_size, chunk_len=state.chunk_len,
+            layouts=state.layouts, chunks=torch.stack([state.read_chunk(c) for c in range(state.k)]),
+            parity=self.coded.parity, rng=self._rng, meta=meta, identity=job_identity(),
+        )  # fmt: skip
+
+    def recover(self, lost_ranks: list[int]) -> None:
+        """Rebuilds the embedding shards, optimizer state and parity of ``lost_ranks`` in place, at the last
+        committed step, from the survivors' shards and parity; dense state back to the commit (collective)."""
+        if self.coded is None:
+            raise RuntimeError("recover needs parity: pass DLRoverStrategy(parity=ParityConfig(...)).")
+        self.coded.recover(sorted(set(lost_ranks)))
+        assert self._dense is not None
+        self._dense.restore()
+        self._in_flight = None
+
+    def finish(self) -> None:
+        """Training ended normally: removes this rank's progress record (nothing to resume)."""
+        if self._progress is not None:
+            self._progress.close(remove=True)
+            self._progress = None
+
+    def close(self) -> None:
+        """Releases the forward hooks on the embedding kernels."""
+        if self.coded is not None:
+            self.coded.state.close()

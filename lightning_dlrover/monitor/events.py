@@ -1,0 +1,120 @@
+"""Structured events of a job, as JSON lines: what the fault manager, the fault injector and the digest did.
+
+Tools (``lightning-dlrover chaos``, ``bench/``) and people read these records, never the log prose. Every
+rank appends its events to one file (``O_APPEND`` writes of one line are atomic on a local file system):
+``$LIGHTNING_DLROVER_EVENTS`` when set, else the file :func:`configure` named (the strategy names
+``<default_root_dir>/dlrover_events.jsonl``).
+
+Schema (version 1), one JSON object per line::
+
+    {"schema": 1, "kind": "restored", "time": 1763820000.123, "rank": 0, "pid": 4242, "step": 12, ...}
+
+``kind`` is one of :data:`KINDS`; ``time`` is Unix time in seconds; ``rank`` the global rank (-1 outside a
+process group); ``step`` the committed step it concerns (``trainer.global_step``), or null. The other
+fields of each kind are listed in :data:`KINDS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Environment variable naming the events file (it wins over :func:`configure`).
+EVENTS_ENV = "LIGHTNING_DLROVER_EVENTS"
+SCHEMA = 1
+#: Event kinds and their extra fields.
+KINDS: dict[str, tuple[str, ...]] = {
+    "fault_injected": ("phase", "target", "signal", "committed_step"),  # step: index of the step in flight
+    "stopped": ("reason", "spill", "spill_s"),  # a rank stopped on a failure; step: the committed step it spilled
+    "stale_spills_refused": ("paths", "why"),
+    "restored": ("old_world_size", "world_size", "lost_ranks", "decode_s", "reshard_s"),  # from survivors' spills
+    "fallback": ("why", "checkpoint", "failed_step", "steps_lost", "load_s"),  # checkpoint None: from step 0
+    "resumed": (),  # the first step committed after a restore or fallback
+    "digest": ("digest", "final"),
+}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One record of the events file (see the module docs)."""
+
+    kind: str
+    time: float
+    rank: int
+    step: int | None = None
+    pid: int = 0
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+
+_configured: dict[str, Path | None] = {"path": None}
+
+
+def configure(path: str | Path | None) -> None:
+    """Sets the events file used when ``$LIGHTNING_DLROVER_EVENTS`` is unset (``None``: no file)."""
+    _configured["path"] = Path(path) if path is not None else None
+
+
+def events_path() -> Path | None:
+    """Where :func:`emit` writes: ``$LIGHTNING_DLROVER_EVENTS``, else the configured file, else nowhere."""
+    env = os.environ.get(EVENTS_ENV)
+    return Path(env) if env else _configured["path"]
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+    except Exception:  # during interpreter shutdown
+        return -1
+
+
+def emit(kind: str, step: int | None = None, message: str | None = None, **fields: Any) -> Event:
+    """Records an event; with ``message``, also prints ``lightning_dlrover: <message>`` to stderr for people."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown event kind {kind!r}; known: {sorted(KINDS)}")
+    unknown = set(fields) - set(KINDS[kind])
+    if unknown:
+        raise ValueError(f"event {kind!r} has no fields {sorted(unknown)}; its fields are {list(KINDS[kind])}")
+    event = Event(kind, time.time(), _rank(), step, os.getpid(), fields)
+    if message is not None:
+        print(f"lightning_dlrover: {message}", file=sys.stderr, flush=True)
+    path = events_path()
+    if path is not None:
+        line = json.dumps({"schema": SCHEMA, "kind": kind, "time": event.time, "rank": event.rank, "pid": event.pid,
+                           "step": step, **fields}, default=str)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+    return event
+
+
+def read_events(paths: Iterable[str | Path]) -> list[Event]:
+    """Every event in ``paths`` (missing files are skipped), in time order. Lines of another schema are refused."""
+    events = []
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if record.get("schema") != SCHEMA:
+                raise ValueError(f"{path}:{number}: event schema {record.get('schema')!r}, expected {SCHEMA}")
+            base = {k: record.pop(k) for k in ("kind", "time", "rank", "step", "pid")}
+            record.pop("schema")
+            events.append(Event(base["kind"], base["time"], base["rank"], base["step"], base["pid"], record))
+    return sorted(events, key=lambda e: e.time)

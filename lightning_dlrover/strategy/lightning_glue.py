@@ -1,0 +1,73 @@
+"""The few places where ``DLRoverStrategy`` reaches into Lightning internals, each because no public API exists.
+
+- :func:`dump_trainer_state` / :func:`resume_from`: Lightning builds and consumes checkpoint dicts only in its
+  private ``_CheckpointConnector``; the commit snapshots the trainer's state with it and hands a restored
+  state to Lightning as if it were a loaded checkpoint.
+- :func:`call_after_every_step`: no hook runs once a training batch is entirely over (``on_train_batch_end``
+  runs before the LightningModule's own hook, plateau schedulers and validation); the epoch loop's
+  ``on_advance_end`` is wrapped on this trainer only.
+- :class:`InnerDDPRedirection` / :func:`prepare_inner_ddp_for_backward`: Lightning's DDP support for manual
+  optimisation looks for ``DistributedDataParallel`` at the top; TorchRec nests it inside
+  ``DistributedModelParallel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.overrides.distributed import prepare_for_backward
+from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def dump_trainer_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """The trainer's checkpoint dict (loops, data position, callbacks, dense optimizers, schedulers)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def resume_from(trainer: pl.Trainer, state: dict[str, Any]) -> None:
+    """Makes Lightning restore ``state`` at the start of ``fit`` as if it had loaded it from a checkpoint."""
+    trainer._checkpoint_connector._loaded_checkpoint = state
+
+
+def call_after_every_step(trainer: pl.Trainer, fn: Callable[[], None]) -> None:
+    """Calls ``fn()`` after every training batch once nothing of it is left to run, before the next batch is fetched."""
+    loop = trainer.fit_loop.epoch_loop
+    if getattr(loop, "_dlrover_after_step", None) is not None:
+        loop._dlrover_after_step = fn
+        return
+    original = loop.on_advance_end
+
+    def on_advance_end(*args: Any, **kwargs: Any) -> None:
+        original(*args, **kwargs)
+        loop._dlrover_after_step()
+
+    loop._dlrover_after_step = fn
+    loop.on_advance_end = on_advance_end
+
+
+def inner_ddp(model: nn.Module) -> DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` that TorchRec's ``DistributedModelParallel`` wraps the dense part in."""
+    wrapped = getattr(model, "_dmp_wrapped_module", model)
+    return wrapped if isinstance(wrapped, DistributedDataParallel) else None
+
+
+class InnerDDPRedirection(_DDPForwardRedirection):
+    """Lightning's DDP forward redirection applied to the DDP inside ``DistributedModelParallel``: under manual
+    optimisation DDP must not prepare its reducer in the forward (the training step's output is not the loss)."""
+
+    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: pl.LightningModule) -> None:
+        super().on_after_inner_forward(inner_ddp(wrapper_module) or wrapper_module, original_module)
+
+    def on_after_outer_forward(self, wrapper_module: nn.Module, original_module: pl.LightningModule) -> None:
+        super().on_after_outer_forward(inner_ddp(wrapper_module) or wrapper_module, original_module)
+
+
+def prepare_inner_ddp_for_backward(model: nn.Module, loss: Tensor) -> None:
+    """Under manual optimisation, prepares the inner DDP's reducer with the loss ``manual_backward`` is given."""
+    ddp = inner_ddp(model)
+    if ddp is not None and ddp.require_backward_grad_sync:
+        prepare_for_backward(ddp, loss)

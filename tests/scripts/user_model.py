@@ -1,0 +1,156 @@
+"""A user's own model and data under DLRoverStrategy, as a new user would write them: not our DLRM.
+
+Dense part with ``BatchNorm1d`` and ``Dropout``, an ``EmbeddingBagCollection`` whose tables use exact
+Adagrad (not row-wise), Adam and SGD-with-momentum for the dense parameters, a per-step LR schedule, and
+the user's own resumable ``StatefulDataLoader`` (torchdata). ``--manual`` switches to manual optimisation
+with two dense optimizers (``zero_grad`` on both, ``manual_backward``, ``step`` on both).
+
+Runs under Lightning's launcher (``--devices N``) or ``torchrun`` (devices and nodes from the worker group);
+prints ``state digest: <hex>`` at the end of fit (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import timedelta
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from lightning_dlrover import DLRoverStrategy, ParityConfig, elastic_trainer_args
+
+TABLES, ROWS, DIM, DENSE = 4, 300, 8, 6
+
+
+class ClickDataset(Dataset):
+    """Sample ``i`` is a pure function of ``i``: dense features, one id per table (skewed), a label."""
+
+    def __len__(self) -> int:
+        return 1_000_000
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(index)
+        dense = torch.randn(DENSE, generator=g)
+        ids = (torch.rand(TABLES, generator=g) ** 3 * ROWS).long()
+        label = (dense[0] + 0.1 * ids[0].float() / ROWS > 0).float()
+        return dense, ids, label
+
+
+def collate(samples: list) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+    dense = torch.stack([s[0] for s in samples])
+    ids = torch.stack([s[1] for s in samples])  # [batch, tables]
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f{t}" for t in range(TABLES)], values=ids.t().reshape(-1), lengths=torch.ones(ids.numel(), dtype=torch.int32)
+    )
+    return dense, kjt, torch.stack([s[2] for s in samples])
+
+
+class RankSlice(torch.utils.data.Sampler):
+    """This rank's contiguous slice of each global batch, in order: global batch ``b`` is the same at any world size."""
+
+    def __init__(self, rank: int, world: int, global_batch: int) -> None:
+        self.rank, self.world, self.global_batch = rank, world, global_batch
+
+    def __len__(self) -> int:
+        return 100_000 * self.global_batch // self.world
+
+    def __iter__(self):
+        local = self.global_batch // self.world
+        for batch in range(100_000):
+            start = batch * self.global_batch + self.rank * local
+            yield from range(start, start + local)
+
+
+class UserModel(pl.LightningModule):
+    def __init__(self, manual: bool = False, global_batch: int = 64) -> None:
+        super().__init__()
+        self.automatic_optimization = not manual
+        self.global_batch = global_batch
+        self.ebc = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=f"t{t}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{t}"])
+                    for t in range(TABLES)],
+            device=torch.device("meta"),
+        )
+        apply_optimizer_in_backward(torch.optim.Adagrad, self.ebc.parameters(), {"lr": 0.1})
+        self.bottom = nn.Sequential(nn.Linear(DENSE, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2))
+        self.top = nn.Sequential(nn.Linear(16 + TABLES * DIM, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+
+    def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        sparse = self.ebc(kjt).values()
+        return self.top(torch.cat([self.bottom(dense), sparse], dim=1)).squeeze(1)
+
+    def training_step(self, batch, batch_idx: int):
+        dense, kjt, label = batch
+        loss = nn.functional.binary_cross_entropy_with_logits(self(dense, kjt), label)
+        if self.automatic_optimization:
+            return loss
+        first, second = self.optimizers()
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+        self.lr_schedulers().step()
+        self.log("loss", loss)  # as Lightning's manual-optimisation docs do: nothing returned
+
+    def configure_optimizers(self):
+        dense = dict(in_backward_optimizer_filter(self.named_parameters()))
+        bottom = [p for n, p in dense.items() if n.startswith("bottom")]
+        top = [p for n, p in dense.items() if n.startswith("top")]
+        if self.automatic_optimization:
+            optimizer = torch.optim.Adam([{"params": bottom}, {"params": top, "lr": 0.003}], lr=0.01)
+            schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        first = torch.optim.Adam(bottom, lr=0.01)
+        second = torch.optim.SGD(top, lr=0.05, momentum=0.9)
+        return [first, second], [torch.optim.lr_scheduler.StepLR(first, step_size=5, gamma=0.9)]
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        sampler = RankSlice(self.trainer.global_rank, self.trainer.world_size, self.global_batch)
+        return StatefulDataLoader(ClickDataset(), batch_size=self.global_batch // self.trainer.world_size,
+                                  sampler=sampler, collate_fn=collate)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=2, help="ignored under torchrun")
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--manual", action="store_true")
+    parser.add_argument("--parity", default="1,1", help="k,r or 'none'")
+    parser.add_argument("--ckpt-every", type=int, default=0)
+    parser.add_argument("--root", default=".")
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args()
+    pl.seed_everything(11)
+    parity = None if args.parity == "none" else ParityConfig(*map(int, args.parity.split(",")))
+    callbacks = []
+    if args.ckpt_every:
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.root, "checkpoints"),
+                                         every_n_train_steps=args.ckpt_every, save_top_k=-1))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        **(elastic_trainer_args() or {"devices": args.devices}),
+        strategy=DLRoverStrategy(sharding_types=["table_wise"], parity=parity, timeout=timedelta(seconds=20)),
+        max_steps=args.steps,
+        default_root_dir=args.root,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=bool(args.ckpt_every),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(UserModel(manual=args.manual), ckpt_path=args.resume)
+
+
+if __name__ == "__main__":
+    main()
