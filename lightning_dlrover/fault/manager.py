@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from lightning_dlrover.fault import rng
+from lightning_dlrover.fault import rank_state
 from lightning_dlrover.fault.coded_embeddings import CodedEmbeddings
 from lightning_dlrover.fault.coded_state import CodedState
 from lightning_dlrover.fault.launcher import restart_count, under_torchrun
@@ -68,6 +68,11 @@ class Host(Protocol):
     def load_checkpoint(self, checkpoint_path: Path) -> dict[str, Any]: ...
 
 
+def dense_buffers(module: nn.Module) -> list[Tensor]:
+    """The module's buffers outside the sharded tables (per rank: TorchRec's DDP does not broadcast them)."""
+    return [b for _, b in module.named_buffers() if not b.is_meta and not isinstance(b, ShardedTensor)]
+
+
 class FaultManager:
     """Commit protocol, spill, restore, fallback and recovery events of one training job (see the module docs).
 
@@ -91,9 +96,10 @@ class FaultManager:
         self._host: Host | None = None
         self._dense: ReplicatedSnapshot | None = None
         self._meta: dict[str, Any] | None = None  # trainer state at the committed step (no tables)
-        self._rng: Tensor | None = None  # every rank's generators at the committed step, [world, n]
+        self._rng: Tensor | None = None  # every rank's generators and buffers at the committed step, [world, n]
         self._rng_len = 0
-        self._pending_rng: Tensor | None = None  # restored generators, applied before the first resumed step
+        self._buffers: list[Tensor] = []  # this rank's dense module buffers
+        self._pending_rng: Tensor | None = None  # restored rank state, generators applied before the first resumed step
         self._in_flight: int | None = None  # index of the step in flight
         self._announce_resume = False
         self._progress: ProgressRecord | None = None
@@ -105,9 +111,10 @@ class FaultManager:
         parity (collective). Returns the trainer state for Lightning to resume from, ``None`` for a fresh start."""
         self._host = host
         self._dense = ReplicatedSnapshot(self._dense_tensors(host))
+        self._buffers = dense_buffers(host.lightning_module)
         state = CodedState(host.model, self.parity.k) if self.parity is not None else None
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(host.world_size)]
-        dist.all_gather(lengths, torch.tensor([rng.capture().numel()]))
+        dist.all_gather(lengths, torch.tensor([rank_state.capture_rank(self._buffers).numel()]))
         self._rng_len = int(max(lengths))
         resume, reason = None, None
         if under_torchrun():
@@ -173,9 +180,12 @@ class FaultManager:
         self.set_restored_rng(report.rng)
 
     def set_restored_rng(self, states: Tensor | None) -> None:
-        """Every old rank's generators (``[old world, n]``); this rank takes its row before the first resumed step."""
+        """Every old rank's generators and buffers (``[old world, n]``): this rank takes its row (buffers now,
+        generators before the first resumed step). Ranks beyond the old world keep their own."""
         rank = self._host.global_rank if self._host is not None else dist.get_rank()
         self._pending_rng = states[rank].clone() if states is not None and rank < len(states) else None
+        if self._pending_rng is not None:
+            rank_state.restore_rank(self._pending_rng, self._buffers, generators=False)
         self._rng = states
 
     def _encode(self, host: Host, state: CodedState) -> CodedEmbeddings:
@@ -237,7 +247,7 @@ class FaultManager:
     def begin_step(self, step: int) -> None:
         """Before the forward of the step that starts at ``global_step == step``: applies restored generators."""
         if self._pending_rng is not None:
-            rng.restore(self._pending_rng)
+            rank_state.restore_rank(self._pending_rng, [])
             self._pending_rng = None
         if self._in_flight is None:
             self._in_flight = step
@@ -254,7 +264,7 @@ class FaultManager:
                 self.coded.send_deltas()
                 self.reach("during_parity_commit", index)
                 meta = trainer_state()
-                ballots = self.coded.commit(step, rng.pad(rng.capture(), self._rng_len))
+                ballots = self.coded.commit(step, rank_state.pad(rank_state.capture_rank(self._buffers), self._rng_len))
                 assert self._dense is not None
                 self._dense.take()
                 self._meta, self._rng = meta, torch.stack(ballots)
@@ -267,8 +277,13 @@ class FaultManager:
                 emit("resumed", step=step, message=f"training resumed: step {step} committed")
         self.reach("after_commit", step)
 
+    @property
+    def buffers(self) -> list[Tensor]:
+        """This rank's dense module buffers (part of its rank state)."""
+        return self._buffers
+
     def after_checkpoint_load(self, meta: dict[str, Any]) -> None:
-        """A checkpoint was loaded into the model: re-encode parity, keep its step and generators as committed."""
+        """A checkpoint was loaded into the model: re-encode parity, restore every rank's generators and buffers."""
         if self.coded is not None:
             self.coded.encode()
         states = meta.get("dlrover_rng")

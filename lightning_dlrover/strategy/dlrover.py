@@ -34,7 +34,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from typing_extensions import override
 
 from lightning_dlrover.checkpoint import complete_sharded_state, directory, get_backend
-from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig, rng
+from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig, rank_state
 from lightning_dlrover.fault.launcher import node_range
 from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
@@ -321,7 +321,7 @@ class DLRoverStrategy(DDPStrategy):
         staging = directory.staging_path(path)
         if self.is_global_zero and staging.exists():
             shutil.rmtree(staging)
-        generators = rng.gather()
+        generators = rank_state.gather_ranks(self.fault.buffers)
         self.barrier("dlrover_checkpoint_staging")
         sharded = {"model": checkpoint.pop("state_dict"), "fused_optimizer": self._fused_optimizer_state()}
         self.checkpoint_backend.save(sharded, staging / directory.SHARDED_DIR)

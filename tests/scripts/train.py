@@ -47,9 +47,9 @@ class LossDrill(pl.Callback):
         strategy = trainer.strategy
         for lost in self.ranks:
             if trainer.global_rank in lost:
-                for segment in strategy._coded.state.segments:
+                for segment in strategy.fault.coded.state.segments:
                     segment.tensor.zero_()
-                strategy._coded.parity.zero_()
+                strategy.fault.coded.parity.zero_()
             strategy.recover(lost)
             after = training_state_digest(trainer)
             if trainer.is_global_zero:

@@ -1,8 +1,11 @@
-"""A rank's random number generators (torch CPU and CUDA, NumPy, Python ``random``) as one uint8 tensor.
+"""What differs from rank to rank outside the sharded tables, as one uint8 tensor: the random number generators
+(torch CPU and CUDA, NumPy, Python ``random``) and the dense module's buffers (TorchRec wraps the dense part in
+DDP with ``broadcast_buffers=False``, so e.g. each rank's BatchNorm statistics are its own).
 
-As a tensor the state travels in collectives (the commit vote gathers every rank's), in spills loaded
-without unpickling, and in checkpoints. Layout: an int64 header, two float64 Gaussian caches, then the
-torch CPU state, NumPy's MT19937 keys (uint32), Python's MT state (uint32) and each CUDA device's state.
+As a tensor the state travels in collectives (the commit vote gathers every rank's), in spills loaded without
+unpickling, and in checkpoints. Generators' layout: an int64 header, two float64 Gaussian caches, then the torch
+CPU state, NumPy's MT19937 keys (uint32), Python's MT state (uint32) and each CUDA device's state. A rank state
+is ``int64 len(generators)``, the generators, then every buffer's bytes in order.
 """
 
 from __future__ import annotations
@@ -67,9 +70,30 @@ def pad(state: Tensor, length: int) -> Tensor:
     return torch.nn.functional.pad(state, (0, length - state.numel())) if state.numel() < length else state
 
 
-def gather() -> Tensor:
-    """Every rank's :func:`capture`, ``[world, n]`` (a collective: two all-gathers)."""
-    state, world = capture(), dist.get_world_size()
+
+def capture_rank(buffers: list[Tensor]) -> Tensor:
+    """This rank's generators and ``buffers`` (uint8 ``[n]``)."""
+    generators = capture()
+    parts = [torch.tensor([generators.numel()], dtype=torch.int64).view(torch.uint8), generators]
+    parts += [b.detach().reshape(-1).view(torch.uint8).cpu() for b in buffers]
+    return torch.cat(parts)
+
+
+def restore_rank(state: Tensor, buffers: list[Tensor], generators: bool = True) -> None:
+    """Sets this rank's ``buffers`` (and generators, unless ``generators=False``) from :func:`capture_rank`'s tensor."""
+    length = int(state[:8].view(torch.int64))
+    if generators:
+        restore(state[8 : 8 + length])
+    at = 8 + length
+    for b in buffers:
+        n = b.numel() * b.element_size()
+        b.detach().reshape(-1).view(torch.uint8).copy_(state[at : at + n])
+        at += n
+
+
+def gather_ranks(buffers: list[Tensor]) -> Tensor:
+    """Every rank's :func:`capture_rank`, ``[world, n]`` (a collective: two all-gathers)."""
+    state, world = capture_rank(buffers), dist.get_world_size()
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(lengths, torch.tensor([state.numel()]))
     states = [torch.empty(int(max(lengths)), dtype=torch.uint8) for _ in range(world)]
