@@ -244,11 +244,11 @@ class Bench(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
-        if strategy._coded is not None:
-            self.capture_timed = instrument(strategy._coded.state, "_touch", "capture", self._cpu, strategy.step_timer)
-            instrument(strategy._coded, "send_deltas", "parity", self._cpu)
+        if strategy.fault.coded is not None:
+            self.capture_timed = instrument(strategy.fault.coded.state, "_touch", "capture", self._cpu, strategy.step_timer)
+            instrument(strategy.fault.coded, "send_deltas", "parity", self._cpu)
             instrument(strategy, "commit", "parity", self._cpu)
-            self._count_deltas(strategy._coded.state)
+            self._count_deltas(strategy.fault.coded.state)
         made = tempfile.mkdtemp(prefix="bench_ft_", dir=self.args.tmp) if trainer.is_global_zero else ""
         self.tmp = Path(strategy.broadcast(made))
         strategy.step_timer.pop_step()
@@ -269,7 +269,7 @@ class Bench(pl.Callback):
         self._delta_bytes = 0
         if step == self.timed_steps:
             self._after_timed_steps(trainer)
-        elif step > self.timed_steps and trainer.strategy._coded is None and self.args.saves:
+        elif step > self.timed_steps and trainer.strategy.fault.coded is None and self.args.saves:
             self._save(trainer, step - self.timed_steps - 1)
         self._resume, self._resume_cpu = time.perf_counter(), time.process_time()
 
@@ -288,7 +288,7 @@ class Bench(pl.Callback):
 
     def _after_timed_steps(self, trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
-        if strategy._coded is not None and self.args.profile_steps and trainer.is_global_zero:
+        if strategy.fault.coded is not None and self.args.profile_steps and trainer.is_global_zero:
             profile = self.profile = cProfile.Profile()
 
             def profiled(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -302,7 +302,7 @@ class Bench(pl.Callback):
                 return run
 
             # called through the instances, so instance attributes take effect
-            strategy._coded.send_deltas = profiled(strategy._coded.send_deltas)
+            strategy.fault.coded.send_deltas = profiled(strategy.fault.coded.send_deltas)
             strategy.commit = profiled(strategy.commit)
 
     def _save(self, trainer: pl.Trainer, index: int) -> None:
@@ -318,10 +318,10 @@ class Bench(pl.Callback):
 def zero_rank_state(strategy: DLRoverStrategy, victim: int, parity: bool) -> None:
     """On ``victim``: zero its coded segments (table shards, optimizer state) and, with ``parity``, its parity."""
     if strategy.global_rank == victim:
-        for segment in strategy._coded.state.segments:
+        for segment in strategy.fault.coded.state.segments:
             segment.tensor.zero_()
         if parity:
-            strategy._coded.parity.zero_()
+            strategy.fault.coded.parity.zero_()
     strategy.barrier()
 
 
@@ -349,10 +349,10 @@ def profile_recover(trainer: pl.Trainer, args: argparse.Namespace, victim: int) 
 def drill(trainer: pl.Trainer, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Decode of one lost rank vs a checkpoint restore of the same state (collective; see the module docstring)."""
     strategy = trainer.strategy
-    assert isinstance(strategy, DLRoverStrategy) and strategy._coded is not None
+    assert isinstance(strategy, DLRoverStrategy) and strategy.fault.coded is not None
     victim = args.victim % strategy.world_size
     before = training_state_digest(trainer)
-    coded = strategy._coded
+    coded = strategy.fault.coded
     parity_before = coded.parity.clone()
 
     def same() -> bool:
@@ -393,11 +393,11 @@ def drill(trainer: pl.Trainer, args: argparse.Namespace, tmp: Path) -> dict[str,
         times, exact = [], []
         for _ in range(args.repeats):
             zero_rank_state(strategy, victim, parity=False)
-            strategy._coded = None  # no re-encode inside load_checkpoint: timed on its own below
+            strategy.fault.coded = None  # no re-encode inside load_checkpoint: timed on its own below
             try:
                 times.append(timed(strategy, lambda: strategy.load_checkpoint(path)))
             finally:
-                strategy._coded = coded
+                strategy.fault.coded = coded
             exact.append(same())  # the victim's parity was not wiped: the restored data must match it
         record(backend, times, exact)
         out["methods"][backend]["save_seconds"] = saves

@@ -1,6 +1,6 @@
 """Recovery from a lost node: erasure-coded spills vs restoring the job from each checkpoint backend.
 
-Every run is a real elastic job started by the chaos runner (``lightning_dlrover.fault.chaos``): 2
+Every run is a real elastic job started by the chaos runner (``lightning_dlrover.cli.chaos``): 2
 ``torchrun`` agents x 2 ranks on 127.0.0.1 train a DLRM of 26 equal tables; node 0 (agent and both
 workers) is SIGKILLed before the forward of step ``--at-step``; a replacement node joins. Per table
 size, three ways to get the state back, in one invocation:
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import yaml
 
-from lightning_dlrover.fault import chaos
+from lightning_dlrover.cli import chaos
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "chaos.yaml"
+CONFIG = Path(str(chaos.DEFAULT_CONFIG))
 _STEP_MS = re.compile(r"^Throughput over \d+ steps.*\n.*\n-+\n\s*0\s+[\d.]+\s+([\d.]+)", re.MULTILINE)
 
 
@@ -72,25 +72,22 @@ def measure(rows: int, dim: int, method: str, args: argparse.Namespace, workdir:
     drill = chaos.parse_args(["--config", str(config), "--kill-node", "0", "--at-step", str(args.at_step),
                               "--replace", "--no-reference", "--workdir", str(workdir / f"{method}-{rows}")])
     started = time.time()
-    finished, output = chaos._faulted_run(drill)
+    finished, events = chaos._faulted_run(drill)
     if not finished:
         sys.exit(f"{method} at {rows} rows did not finish; logs in {drill.workdir}")
-    kill = float(chaos._KILLED.search(output).group(1))
-    stopped = min(float(t) for _, t in chaos._STOPPED.findall(output))
-    resumed = float(chaos._RESUMED.search(output).group(1))
+    output = (drill.workdir / "faulted" / "node0.log").read_text() + (drill.workdir / "faulted" / "node1.log").read_text()
+    first = {kind: next(e for e in events if e.kind == kind) for kind in ("fault_injected", "stopped", "resumed")}
+    kill, stopped, resumed = first["fault_injected"].time, first["stopped"].time, first["resumed"].time
     if method == "parity":
-        event = chaos._RECOVERED.search(output)
-        at = float(event.group(1))
-        decode = float(re.search(r"decode (\d+\.\d+) s", event.group(2)).group(1))
-        reshard = float(re.search(r"re-shard (\d+\.\d+) s", event.group(2)).group(1))
+        event = next(e for e in events if e.kind == "restored")
+        at, decode, reshard = event.time, event["decode_s"], event["reshard_s"]
         restore = decode + reshard
     else:
-        event = chaos._FALLBACK.search(output)
-        at = float(event.group(1))
-        restore = float(re.search(r"loaded in (\d+\.\d+) s", event.group(2)).group(1))
+        event = next(e for e in events if e.kind == "fallback")
+        at, restore = event.time, event["load_s"]
         decode = reshard = float("nan")
-        if int(event.group(3)) != 0:
-            sys.exit(f"{method}: the checkpoint run lost {event.group(3)} steps; expected a checkpoint at the kill")
+        if event["steps_lost"] != 0:
+            sys.exit(f"{method}: the checkpoint run lost {event['steps_lost']} steps; expected a checkpoint at the kill")
     return {
         "detect": stopped - kill,
         "restart": at - restore - stopped,

@@ -117,7 +117,7 @@ class FaultInjector(pl.Callback):
                 raise ValueError(f"{source}: {key!r} is given twice; the format is {ENV_FORMAT}.")
             fields[key] = field
         target = fields.get("target", "rank")
-        fields.setdefault("rank", "0" if target == "node" else "")
+        fields.setdefault("rank", "0" if target in ("node", "all") else "")
         missing = [key for key in ("rank", "step", "phase") if not fields.get(key)]
         if missing:
             raise ValueError(f"{source}: missing {', '.join(missing)}; the format is {ENV_FORMAT}.")

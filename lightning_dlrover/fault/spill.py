@@ -86,7 +86,7 @@ def ensure_private_dir(path: Path) -> Path:
     :class:`UnsafeSpillDir` otherwise. The default root under ``/dev/shm`` is checked too."""
     parents = [p for p in (path.parent,) if p.name == f"lightning_dlrover-{os.getuid()}"]
     for directory in [*parents, path]:
-        if not directory.exists():
+        if not os.path.lexists(directory):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(directory, 0o700)
         _check_private(directory)

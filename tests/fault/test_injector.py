@@ -71,7 +71,7 @@ def test_reads_environment(monkeypatch):
                                          "'during_parity_commit']"),
         ("rank=1,step=5,phase=before_forward,signal=SIGINT", "signal='SIGINT' is not one of ['SIGKILL', 'SIGTERM']"),
         ("step=5,phase=before_forward", "missing rank"),
-        ("rank=1,step=5,phase=before_forward,target=rack", "target='rack' is not one of ['rank', 'node']"),
+        ("rank=1,step=5,phase=before_forward,target=rack", "target='rack' is not one of ['rank', 'node', 'all']"),
     ],
 )
 def test_bad_env_value(value, message):

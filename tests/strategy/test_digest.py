@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from lightning_dlrover.checkpoint import state_digest
+from lightning_dlrover.monitor import state_digest
 
 
 @pytest.fixture(scope="module")
