@@ -44,6 +44,8 @@ def test_demo_config_trains_and_saved_config_round_trips(tmp_path):
          "strategy.constraints names table(s) ['t_nope']"),
         (["--data.global_batch_size=100"], "data.global_batch_size=100 is not divisible by the world size 3"),
         (["--trainer.strategy.init_args.sharding_types=[row_wise]"], "need reduce-scatter; the gloo backend"),
+        (["--model.embedding_optimizer=adam"], "are not supported by FBGEMM on CPU; choose one of ['SGD', 'Adagrad', "
+         "'RowWiseAdagrad'] (DLRMModule: model.embedding_optimizer"),
     ],
 )
 def test_bad_config_fails_before_training_naming_the_field(tmp_path, args, message):
@@ -60,6 +62,7 @@ def test_bad_config_fails_before_training_naming_the_field(tmp_path, args, messa
         ({"compute_kernel": "fast"}, "strategy.compute_kernel: 'fast' is not one of"),
         ({"constraints": {"t_cat_0": {"sharding_types": ["diagonal"]}}}, "strategy.constraints.t_cat_0.sharding_types"),
         ({"checkpoint_backend": "zip"}, "strategy.checkpoint_backend='zip' is not one of ['dcp', 'torchsnapshot']"),
+        ({"sharding_types": []}, "strategy.sharding_types is empty"),
     ],
 )
 def test_bad_strategy_arguments(kwargs, message):
