@@ -113,6 +113,12 @@ class DLRoverStrategy(DDPStrategy):
         for table, constraint in self.constraints.items():
             check_choices(f"constraints.{table}.sharding_types", constraint.sharding_types, SHARDING_TYPES)
             check_choices(f"constraints.{table}.compute_kernels", constraint.compute_kernels, COMPUTE_KERNELS)
+        kernels = {compute_kernel, *(k for c in self.constraints.values() for k in c.compute_kernels or [])}
+        if parity is not None and (caching := sorted(k for k in kernels if "caching" in k)):
+            raise ValueError(
+                f"strategy.parity with compute kernel(s) {caching}: rows in the UVM cache are not flushed before parity "
+                "reads them, so parity could miss updates. Use compute_kernel='fused' with parity."
+            )
         self.checkpoint_backend = get_backend(checkpoint_backend)
         self.print_digest = print_digest
         self.parity = ParityConfig(**parity) if isinstance(parity, dict) else parity
