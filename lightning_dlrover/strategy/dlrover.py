@@ -43,17 +43,14 @@ from lightning_dlrover.strategy import process_exit
 from lightning_dlrover.strategy.sharding import (
     COMPUTE_KERNELS,
     CPU_DEFAULT_SHARDING_TYPES,
-    CPU_FUSED_OPTIMIZERS,
     SHARDING_TYPES,
     TableConstraint,
     build_constraints,
     check_choices,
     check_elastic_sizes,
+    check_module,
     describe_plan,
-    embedding_tables,
     plan_sharding,
-    unfused_embedding_parameters,
-    unsupported_cpu_optimizers,
 )
 
 #: Environment variable: print and record the state digest every N committed steps (and at the start), for drills.
@@ -259,23 +256,7 @@ class DLRoverStrategy(DDPStrategy):
 
     def _shard(self, module: pl.LightningModule) -> DistributedModelParallel:
         """Plans the sharding of ``module``'s embedding tables and wraps it in ``DistributedModelParallel``."""
-        tables = embedding_tables(module)
-        if not tables:
-            raise ValueError(
-                f"{type(module).__name__} has no TorchRec EmbeddingBagCollection or EmbeddingCollection; "
-                "DLRoverStrategy shards those. Use `strategy='ddp'` for models without embedding tables."
-            )
-        if self.compute_kernel == "fused" and (unfused := unfused_embedding_parameters(module)):
-            raise ValueError(
-                f"Embedding parameters {unfused} have no in-backward optimizer, which the fused kernel needs. "
-                "Call torchrec.optim.apply_optimizer_in_backward(...) on them in the LightningModule's __init__."
-            )
-        if self.root_device.type == "cpu" and (unsupported := unsupported_cpu_optimizers(module)):
-            raise ValueError(
-                f"In-backward optimizers {sorted(set(unsupported.values()))} of {sorted(unsupported)[:3]}... are not "
-                f"supported by FBGEMM on CPU; choose one of {list(CPU_FUSED_OPTIMIZERS)} (DLRMModule: "
-                "model.embedding_optimizer: sgd, adagrad or row_wise_adagrad), or train on GPU."
-            )
+        tables = check_module(module, self.compute_kernel, self.root_device.type)
         backend = dist.get_backend()
         default_types = CPU_DEFAULT_SHARDING_TYPES if backend == "gloo" else None
         constraints = build_constraints(

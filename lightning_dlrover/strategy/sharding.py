@@ -90,6 +90,30 @@ def unsupported_cpu_optimizers(module: nn.Module) -> dict[str, str]:
     }
 
 
+def check_module(module: nn.Module, compute_kernel: str, device_type: str) -> dict[str, str]:
+    """The module's embedding tables (see :func:`embedding_tables`); raises a ``ValueError`` saying what to change
+    when the strategy cannot train it: no tables, tables without in-backward optimizer, an optimizer the device's
+    fused kernels do not have."""
+    tables = embedding_tables(module)
+    if not tables:
+        raise ValueError(
+            f"{type(module).__name__} has no TorchRec EmbeddingBagCollection or EmbeddingCollection; "
+            "DLRoverStrategy shards those. Use `strategy='ddp'` for models without embedding tables."
+        )
+    if compute_kernel == "fused" and (unfused := unfused_embedding_parameters(module)):
+        raise ValueError(
+            f"Embedding parameters {unfused} have no in-backward optimizer, which the fused kernel needs. "
+            "Call torchrec.optim.apply_optimizer_in_backward(...) on them in the LightningModule's __init__."
+        )
+    if device_type == "cpu" and (unsupported := unsupported_cpu_optimizers(module)):
+        raise ValueError(
+            f"In-backward optimizers {sorted(set(unsupported.values()))} of {sorted(unsupported)[:3]}... are not "
+            f"supported by FBGEMM on CPU; choose one of {list(CPU_FUSED_OPTIMIZERS)} (DLRMModule: "
+            "model.embedding_optimizer: sgd, adagrad or row_wise_adagrad), or train on GPU."
+        )
+    return tables
+
+
 def check_elastic_sizes(world_sizes: list[int], global_batch: int | None, parity: tuple[int, int] | None) -> None:
     """Rejects a job that could not run at one of the world sizes its ``--nnodes MIN:MAX`` range allows."""
     smallest = min(world_sizes)
