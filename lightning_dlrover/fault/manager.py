@@ -5,7 +5,7 @@ every rank's random generators), the spill when a rank fails, the restore after 
 workers, the fallback to a checkpoint when parity cannot cover a loss (or nothing was spilled), in-process
 recovery, and the recovery events. A training strategy drives it through a handful of calls::
 
-    manager.start(host, trainer_state)     # set-up: restore a failed job, encode parity -> state to resume from
+    manager.start(host)                    # set-up: restore a failed job, encode parity -> state to resume from
     manager.begin_step(step)               # before the forward of a training step
     manager.end_step(step, trainer_state)  # once the whole step is over (callbacks, schedulers, validation)
     manager.on_exception(error)            # spill
@@ -96,17 +96,17 @@ class FaultManager:
         self._host: Host | None = None
         self._dense: ReplicatedSnapshot | None = None
         self._meta: dict[str, Any] | None = None  # trainer state at the committed step (no tables)
-        self._rng: Tensor | None = None  # every rank's generators and buffers at the committed step, [world, n]
-        self._rng_len = 0
+        self._rank_states: Tensor | None = None  # every rank's generators and buffers at the committed step, [world, n]
+        self._rank_state_len = 0
         self._buffers: list[Tensor] = []  # this rank's dense module buffers
-        self._pending_rng: Tensor | None = None  # restored rank state, generators applied before the first resumed step
+        self._pending_rank_state: Tensor | None = None  # restored rank state, generators applied before the first resumed step
         self._in_flight: int | None = None  # index of the step in flight
         self._announce_resume = False
         self._progress: ProgressRecord | None = None
         self._spill_dir: Path | None = None
 
     # ----------------------------------------------------------------------------------------- start
-    def start(self, host: Host, trainer_state: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+    def start(self, host: Host) -> dict[str, Any] | None:
         """Restores a failed job (survivors' spills, else its newest checkpoint) into the sharded model and encodes
         parity (collective). Returns the trainer state for Lightning to resume from, ``None`` for a fresh start."""
         self._host = host
@@ -115,7 +115,7 @@ class FaultManager:
         state = CodedState(host.model, self.parity.k) if self.parity is not None else None
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(host.world_size)]
         dist.all_gather(lengths, torch.tensor([rank_state.capture_rank(self._buffers).numel()]))
-        self._rng_len = int(max(lengths))
+        self._rank_state_len = int(max(lengths))
         resume, reason = None, None
         if under_torchrun():
             resume, reason = self._restore(host, state)
@@ -177,16 +177,16 @@ class FaultManager:
             for key, value in report.meta.pop("state_dict").items():
                 live[key].copy_(value)
             report.meta["state_dict"] = {}
-        self.set_restored_rng(report.rng)
+        self.set_restored_rank_states(report.rank_states)
 
-    def set_restored_rng(self, states: Tensor | None) -> None:
+    def set_restored_rank_states(self, states: Tensor | None) -> None:
         """Every old rank's generators and buffers (``[old world, n]``): this rank takes its row (buffers now,
         generators before the first resumed step). Ranks beyond the old world keep their own."""
         rank = self._host.global_rank if self._host is not None else dist.get_rank()
-        self._pending_rng = states[rank].clone() if states is not None and rank < len(states) else None
-        if self._pending_rng is not None:
-            rank_state.restore_rank(self._pending_rng, self._buffers, generators=False)
-        self._rng = states
+        self._pending_rank_state = states[rank].clone() if states is not None and rank < len(states) else None
+        if self._pending_rank_state is not None:
+            rank_state.restore_rank(self._pending_rank_state, self._buffers, generators=False)
+        self._rank_states = states
 
     def _encode(self, host: Host, state: CodedState) -> CodedEmbeddings:
         assert self.parity is not None
@@ -246,9 +246,9 @@ class FaultManager:
 
     def begin_step(self, step: int) -> None:
         """Before the forward of the step that starts at ``global_step == step``: applies restored generators."""
-        if self._pending_rng is not None:
-            rank_state.restore_rank(self._pending_rng, [])
-            self._pending_rng = None
+        if self._pending_rank_state is not None:
+            rank_state.restore_rank(self._pending_rank_state, [])
+            self._pending_rank_state = None
         if self._in_flight is None:
             self._in_flight = step
         self.reach("before_forward", step)
@@ -264,10 +264,10 @@ class FaultManager:
                 self.coded.send_deltas()
                 self.reach("during_parity_commit", index)
                 meta = trainer_state()
-                ballots = self.coded.commit(step, rank_state.pad(rank_state.capture_rank(self._buffers), self._rng_len))
+                ballots = self.coded.commit(step, rank_state.pad(rank_state.capture_rank(self._buffers), self._rank_state_len))
                 assert self._dense is not None
                 self._dense.take()
-                self._meta, self._rng = meta, torch.stack(ballots)
+                self._meta, self._rank_states = meta, torch.stack(ballots)
         self.committed_step = step
         if self._progress is not None:
             self._progress.write(step)
@@ -283,12 +283,14 @@ class FaultManager:
         return self._buffers
 
     def after_checkpoint_load(self, meta: dict[str, Any]) -> None:
-        """A checkpoint was loaded into the model: re-encode parity, restore every rank's generators and buffers."""
+        """A checkpoint was loaded into the model: re-encode parity, restore every rank's generators and buffers;
+        its step is the committed one until the next commit."""
         if self.coded is not None:
             self.coded.encode()
-        states = meta.get("dlrover_rng")
+        self.committed_step, self._meta = meta["global_step"], dict(meta)
+        states = meta.get("dlrover_rank_states")
         if states is not None:
-            self.set_restored_rng(states)
+            self.set_restored_rank_states(states)
 
     def after_optimizer_state_load(self) -> None:
         """The dense optimizers' state was restored: it is the committed replicated state."""
@@ -329,7 +331,7 @@ class FaultManager:
             rank=self._host.global_rank, world_size=self._host.world_size, step=self.committed_step, k=state.k,
             r=placement.r, local_world_size=placement.local_world_size, chunk_len=state.chunk_len,
             layouts=state.layouts, chunks=torch.stack([state.read_chunk(c) for c in range(state.k)]),
-            parity=self.coded.parity, rng=self._rng, meta=meta, identity=job_identity(),
+            parity=self.coded.parity, rank_states=self._rank_states, meta=meta, identity=job_identity(),
         )  # fmt: skip
 
     def recover(self, lost_ranks: list[int]) -> None:

@@ -54,7 +54,7 @@ class Unrecoverable(RuntimeError):
 class RecoveryReport:
     """What :func:`restore` did: the recovered ``step``, the failed job's ``world_size``, the ``lost`` ranks
     (decoded), seconds spent decoding and re-sharding, and the trainer state (``meta``) and every old rank's
-    random generators (``rng``, uint8 ``[old world, n]``) of the recovered step."""
+    generators and buffers (``rank_states``, uint8 ``[old world, n]``) of the recovered step."""
 
     step: int
     world_size: int
@@ -62,7 +62,7 @@ class RecoveryReport:
     decode_s: float
     reshard_s: float
     meta: dict[str, Any] | None = None
-    rng: Tensor | None = None
+    rank_states: Tensor | None = None
 
     def __str__(self) -> str:
         lost = f"decoded lost ranks {self.lost}" if self.lost else "no rank lost"
@@ -105,9 +105,9 @@ def restore(state: CodedState | None, spills: list[Spill]) -> RecoveryReport | N
     source = [None, None, None, None]
     if me == min(holders.values()):
         first = held[min(held)]
-        source = [first.layouts, first.chunk_len, first.meta, first.rng]
+        source = [first.layouts, first.chunk_len, first.meta, first.rank_states]
     dist.broadcast_object_list(source, src=min(holders.values()))
-    layouts, chunk_len, meta, rng = source
+    layouts, chunk_len, meta, rank_states = source
 
     started = time.perf_counter()
     chunks = {rank: spill.chunks for rank, spill in held.items()}
@@ -121,7 +121,7 @@ def restore(state: CodedState | None, spills: list[Spill]) -> RecoveryReport | N
     )  # fmt: skip
     decoded = time.perf_counter()
     _reshard(state, layouts, chunk_len, chunks, step)
-    return RecoveryReport(step, old_world, lost, decoded - started, time.perf_counter() - decoded, meta, rng)
+    return RecoveryReport(step, old_world, lost, decoded - started, time.perf_counter() - decoded, meta, rank_states)
 
 
 def _reshard(state: CodedState, layouts: list[list[SegmentSpec]], chunk_len: int, chunks: dict[int, Tensor], step: int) -> None:

@@ -104,7 +104,7 @@ class Spill:
         layouts: every rank's segment specs (to decode and re-shard a lost rank's chunks).
         chunks: uint8 ``[k, chunk_len]``, the rank's data chunks.
         parity: uint8 ``[r, chunk_len]``, the parity chunks the rank held.
-        rng: uint8 ``[world_size, n]``, every rank's random generators at ``step`` (see ``fault.rng``).
+        rank_states: uint8 ``[world_size, n]``, every rank's generators and buffers at ``step`` (``fault.rank_state``).
         meta: the trainer's state at ``step`` as a Lightning checkpoint dict (``state_dict``: dense tensors only).
         identity: the launch that wrote it (see :func:`job_identity`).
     """
@@ -119,7 +119,7 @@ class Spill:
     layouts: list[list[SegmentSpec]]
     chunks: Tensor
     parity: Tensor
-    rng: Tensor | None
+    rank_states: Tensor | None
     meta: dict[str, Any] | None
     identity: dict[str, Any] = field(default_factory=dict)
     path: Path | None = field(default=None, compare=False)
@@ -132,14 +132,14 @@ class Spill:
 def write_spill(directory: Path, spill: Spill) -> Path:
     """Writes ``spill`` as ``rank<R>.pt`` in the private ``directory``, atomically (mode 0600)."""
     ensure_private_dir(directory)
-    header = {k: v for k, v in asdict(spill).items() if k not in ("chunks", "parity", "rng", "meta", "path")}
+    header = {k: v for k, v in asdict(spill).items() if k not in ("chunks", "parity", "rank_states", "meta", "path")}
     header["format"], header["written"] = FORMAT, time.time()
     meta = {k: v for k, v in (spill.meta or {}).items() if k not in UNSPILLED_KEYS} if spill.meta is not None else None
     path = directory / f"rank{spill.rank}.pt"
     partial = path.with_name(path.name + f".{os.getpid()}.partial")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as out:
-        torch.save({"header": json.dumps(header), "chunks": spill.chunks, "parity": spill.parity, "rng": spill.rng,
+        torch.save({"header": json.dumps(header), "chunks": spill.chunks, "parity": spill.parity, "rank_states": spill.rank_states,
                     "meta": meta}, out)
     partial.rename(path)
     return path
@@ -153,7 +153,7 @@ def _load(path: Path) -> Spill:
     header.pop("written")
     header["layouts"] = [[SegmentSpec(s["key"], tuple(s["offsets"]), tuple(s["sizes"]), tuple(s["global_size"]),
                                       s["row_bytes"]) for s in specs] for specs in header["layouts"]]
-    return Spill(**header, chunks=data["chunks"], parity=data["parity"], rng=data["rng"], meta=data["meta"], path=path)
+    return Spill(**header, chunks=data["chunks"], parity=data["parity"], rank_states=data["rank_states"], meta=data["meta"], path=path)
 
 
 def read_spills(directory: Path | None, local_rank: int, local_world_size: int) -> tuple[list[Spill], list[str]]:

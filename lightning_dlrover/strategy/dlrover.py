@@ -195,7 +195,7 @@ class DLRoverStrategy(DDPStrategy):
 
     def _start_fault_tolerance(self, trainer: pl.Trainer) -> None:
         job_events.configure(Path(trainer.default_root_dir) / "dlrover_events.jsonl")
-        self._resume = self.fault.start(self, lambda: self._trainer_state(trainer))
+        self._resume = self.fault.start(self)
         if self._resume is not None:
             glue.resume_from(trainer, self._resume)
         state = lambda: self._trainer_state(trainer)  # noqa: E731
@@ -308,14 +308,14 @@ class DLRoverStrategy(DDPStrategy):
         staging = directory.staging_path(path)
         if self.is_global_zero and staging.exists():
             shutil.rmtree(staging)
-        generators = rank_state.gather_ranks(self.fault.buffers)
+        rank_states = rank_state.gather_ranks(self.fault.buffers)
         self.barrier("dlrover_checkpoint_staging")
         sharded = {"model": checkpoint.pop("state_dict"), "fused_optimizer": self._fused_optimizer_state()}
         self.checkpoint_backend.save(sharded, staging / directory.SHARDED_DIR)
         if self.is_global_zero:
             info = {"global_step": checkpoint["global_step"], "world_size": self.world_size,
                     "backend": self.checkpoint_backend.name}
-            directory.write_meta(staging, {**checkpoint, "dlrover_rng": generators}, info)
+            directory.write_meta(staging, {**checkpoint, "dlrover_rank_states": rank_states}, info)
         self.barrier("dlrover_checkpoint_written")
         if self.is_global_zero:
             directory.publish(staging, path)

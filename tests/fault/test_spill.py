@@ -41,7 +41,7 @@ def test_spills_round_trip_privately_and_are_shared_out_by_local_rank(tmp_path):
     assert refused_a == refused_b == []
     assert [s.rank for s in first] == [0, 2] and [s.rank for s in second] == [1, 10]
     got, want = first[1], spill(2)
-    assert torch.equal(got.chunks, want.chunks) and torch.equal(got.parity, want.parity) and torch.equal(got.rng, want.rng)
+    assert torch.equal(got.chunks, want.chunks) and torch.equal(got.parity, want.parity) and torch.equal(got.rank_states, want.rank_states)
     assert got.layouts == want.layouts and got.generation == (2, 3, 2, 1, 1) and got.identity == job_identity()
     assert got.meta["loops"] == want.meta["loops"] and torch.equal(got.meta["state_dict"]["w"], torch.ones(2))
     assert "hyper_parameters" not in got.meta  # may hold arbitrary objects; not needed to resume
