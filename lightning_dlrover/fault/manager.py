@@ -147,9 +147,10 @@ class FaultManager:
                  message="refused spills: " + "; ".join(refused))
         reached = last_committed_step(self._spill_dir) if host.local_rank == 0 else None
         facts = [None] * host.world_size
-        dist.all_gather_object(facts, (reached, restart_count()))
+        dist.all_gather_object(facts, (reached, restart_count(), len(refused)))
         progress = max((f[0] for f in facts if f[0] is not None), default=None)
         restarted = progress is not None or max(f[1] for f in facts) > 0
+        refusals = sum(f[2] for f in facts)
         try:
             report = restore(state, spills)
         except Unrecoverable as err:
@@ -161,7 +162,8 @@ class FaultManager:
         if report is None:
             if restarted:  # every rank died at once, or was killed before it could spill
                 step = progress if progress is not None else -1
-                return None, Unrecoverable("The job was restarted but no rank spilled its state.", step)
+                why = f" ({refusals} spills refused, see above)" if refusals else ""
+                return None, Unrecoverable(f"The job was restarted but no rank left a usable spill{why}.", step)
             return None, None
         self._load_dense_state(host, report)
         if host.is_global_zero:

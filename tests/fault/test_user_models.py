@@ -49,7 +49,7 @@ def test_manual_optimisation_with_two_optimizers_recovers_exactly(workdir):
 
 def test_every_rank_killed_at_once_resumes_from_the_newest_checkpoint(workdir):
     summary = user_drill(workdir, "--kill-all", "--at-step", "13")
-    assert summary["recovered"].startswith("from the last checkpoint (The job was restarted but no rank spilled"), summary
+    assert summary["recovered"].startswith("from the last checkpoint (The job was restarted but no rank left a usable spill"), summary
     assert "epoch=0-step=10.ckpt at step 10)" in summary["recovered"]
     assert summary["last committed step before the kill"] == "13"
     assert summary["steps lost"] == "3"
