@@ -10,13 +10,13 @@ started by Lightning's popen launcher (the script re-runs itself per rank) in it
    a step is the wall time from the end of one step's ``on_train_batch_end`` to the next (data
    loading included). Per step the strategy's ``step_timer`` sections are popped at
    ``on_train_batch_end`` (no ``ThroughputMonitor`` runs): ``parity`` is
-   ``CodedEmbeddings.send_deltas`` (in the optimizer step) and ``DLRoverStrategy.commit`` (the vote, the
-   dense and trainer-state snapshots, at the end of the batch: counted in the next step); ``capture``
+   ``FaultManager.end_step`` (``CodedEmbeddings.send_deltas``, the vote, the dense and trainer-state
+   snapshots, once the batch is over: counted in the next step); ``capture``
    is the forward pre-hook that records the touched rows and their undo log (``CodedState._touch``,
    timed by this script through a wrapper, inside the forward pass). "parity % step" is
    (parity + capture) / step time of the same run; "x none" is the throughput ratio to the
    no-parity run at the same world size, the end-to-end overhead. The same is measured in CPU time
-   (``time.process_time`` of each rank's process around the step, ``send_deltas`` + ``commit`` and the capture):
+   (``time.process_time`` of each rank's process around the step, ``end_step`` and the capture):
    with more ranks than cores (3-4 ranks on 2 here) a wall-clock section also holds the time a rank
    waits for the others' share of the CPU, and the machine is shared; CPU time is the robust figure.
 2. Periodic checkpointing instead of parity: in the no-parity runs, after the timed steps,
@@ -36,7 +36,7 @@ started by Lightning's popen launcher (the script re-runs itself per rank) in it
    against the state digest taken before the wipe (``training_state_digest``). Checkpoints are read
    back from the page cache: a restore from remote storage is slower.
 
-After the timed steps, every parity run also profiles ``CodedEmbeddings.send_deltas + DLRoverStrategy.commit`` with cProfile
+After the timed steps, every parity run also profiles ``FaultManager.end_step`` with cProfile
 on rank 0 for ``--profile-steps`` more steps (not timed; top functions by own time), and the drill
 profiles one more (untimed) ``recover`` on the victim rank (top functions by cumulative time).
 
@@ -246,8 +246,7 @@ class Bench(pl.Callback):
         strategy = trainer.strategy
         if strategy.fault.coded is not None:
             self.capture_timed = instrument(strategy.fault.coded.state, "_touch", "capture", self._cpu, strategy.step_timer)
-            instrument(strategy.fault.coded, "send_deltas", "parity", self._cpu)
-            instrument(strategy, "commit", "parity", self._cpu)
+            instrument(strategy.fault, "end_step", "parity", self._cpu)  # deltas, vote, snapshots
             self._count_deltas(strategy.fault.coded.state)
         made = tempfile.mkdtemp(prefix="bench_ft_", dir=self.args.tmp) if trainer.is_global_zero else ""
         self.tmp = Path(strategy.broadcast(made))
@@ -302,8 +301,7 @@ class Bench(pl.Callback):
                 return run
 
             # called through the instances, so instance attributes take effect
-            strategy.fault.coded.send_deltas = profiled(strategy.fault.coded.send_deltas)
-            strategy.commit = profiled(strategy.commit)
+            strategy.fault.end_step = profiled(strategy.fault.end_step)
 
     def _save(self, trainer: pl.Trainer, index: int) -> None:
         """Save number ``index`` of the checkpoint phase: backends alternate."""
@@ -730,7 +728,7 @@ def print_profiles(runs: list[Run]) -> None:
                   f"{run.label}, one recovery ({exact}; top by cumulative time):")
             print(run.drill["profile"])
         if run.profile:
-            print(f"\ncProfile of CodedEmbeddings.send_deltas + DLRoverStrategy.commit on rank 0, {run.devices} ranks {run.label}, "
+            print(f"\ncProfile of FaultManager.end_step on rank 0, {run.devices} ranks {run.label}, "
                   f"{run.profile_steps} steps (top by own time):")
             print(run.profile)
 
