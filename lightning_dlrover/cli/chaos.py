@@ -243,6 +243,8 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     lost = committed - first.step if first is not None and committed is not None else "unknown"
     lines.append(f"last committed step before the kill: {committed if committed is not None else 'unknown'}")
     lines.append(f"steps lost: {lost}")
+    if kill is not None and first is not None and kill.step is not None:
+        lines.append(f"steps trained again: {kill.step - first.step} (the step in flight and any since the last commit)")
     lines.append(f"job finished: {'yes' if finished else 'no'}")
     lines.append(f"final digest: {finals[-1] if finals else 'none'}")
     if fault_free is not None:

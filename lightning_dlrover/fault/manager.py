@@ -201,9 +201,11 @@ class FaultManager:
             if placement.nodes > 1:
                 node = (f", and so is any one of the {placement.nodes} nodes" if placement.tolerates_node_loss else
                         "; a lost node is NOT (it holds too many members of a parity group: raise r or add nodes)")
+            n = self.parity.commit_every_n_steps
+            point = "every step" if n == 1 else f"every {n} steps (a failure trains at most {n - 1} steps again)"
             print(f"DLRoverStrategy parity k={k} r={r}: rank 0 codes {state_bytes / 2**20:.2f} MiB of embedding state "
                   f"and holds {parity_bytes / 2**20:.2f} MiB of parity ({parity_bytes / max(state_bytes, 1):.0%}); "
-                  f"any {r} lost ranks are recoverable{node}.", flush=True)
+                  f"any {r} lost ranks are recoverable{node}; the recovery point is committed {point}.", flush=True)
         return coded
 
     def _fall_back(self, host: Host, reason: Unrecoverable) -> dict[str, Any] | None:
@@ -261,6 +263,8 @@ class FaultManager:
             return
         index, self._in_flight = self._in_flight, None
         self.reach("after_optimizer", index)
+        if self.coded is not None and step - self.committed_step < self.parity.commit_every_n_steps:
+            return  # the commit window goes on: touched rows keep their first undo-log entry
         if self.coded is not None:
             with self.timer.section("parity"):
                 self.coded.send_deltas()

@@ -25,14 +25,22 @@ class ParityConfig:
     Args:
         k: data chunks per parity group (each rank's state is cut into ``k`` chunks).
         r: parity chunks per group (ranks that may be lost at once); ``r == 1`` is plain XOR.
+        commit_every_n_steps: commit once every ``N`` steps: a row touched several times in the window sends
+            one delta, and a failure resumes at the last commit (at most ``N - 1`` steps are trained again).
     """
 
     k: int = 2
     r: int = 1
+    commit_every_n_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.r < 1:
             raise ValueError(f"parity needs k >= 1 and r >= 1, got ParityConfig(k={self.k}, r={self.r}).")
+        if isinstance(self.commit_every_n_steps, bool) or not isinstance(self.commit_every_n_steps, int) or \
+                self.commit_every_n_steps < 1:
+            raise ValueError(
+                f"parity.commit_every_n_steps={self.commit_every_n_steps!r} must be an integer >= 1 (1: every step)."
+            )
 
 
 @dataclass(frozen=True)

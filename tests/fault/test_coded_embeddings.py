@@ -39,3 +39,15 @@ def test_loss_mid_step_recovers_the_committed_step(tmp_path, phase):
     assert f"drill {phase} lost=[1]: recovered state matches" in out
     assert f"drill {phase} lost=[0]: recovered state matches" in out
     assert "DIFFERS" not in out
+
+
+@pytest.mark.parametrize("phase", ["after_optimizer", "during_parity_commit"])
+def test_coalesced_commits_recover_the_last_commit(tmp_path, phase):
+    """Commits every 4 steps: a loss inside the window (in step index 6, or in the commit of index 7) recovers
+    every rank to exactly the state committed at step 4; the start-up message states the recovery point."""
+    loss_at = "6" if phase == "after_optimizer" else "7"
+    out = train(tmp_path, "--devices", "3", "--steps", "9", "--parity", "2,1,4",
+                "--drill-at", "4", "--drill-loss-at", loss_at, "--drill", "2", "--drill-phase", phase).stdout
+    assert "the recovery point is committed every 4 steps (a failure trains at most 3 steps again)" in out
+    assert f"drill {phase} lost=[2]: recovered state matches" in out
+    assert "DIFFERS" not in out

@@ -47,6 +47,17 @@ def test_manual_optimisation_with_two_optimizers_recovers_exactly(workdir):
     assert_exact(summary, 8)
 
 
+def test_coalesced_commits_resume_at_the_last_commit_and_replay_exactly(workdir):
+    # Commits every 4 steps (4, 8, 12, ...): a loss in step index 10 resumes at 8 and trains 8-9 again.
+    summary = drill(workdir, "--script", SCRIPT, "--kill-node", "1", "--at-step", "10", "--replace",
+                    "--", "--steps", "24", "--parity", "1,1,4")
+    assert summary["recovered"].startswith("yes, from survivors' spills (recovered step 8 of a 4-rank job"), summary
+    assert summary["restored state equals the fault-free state at step 8"] == "yes"
+    assert summary["last committed step before the kill"] == "8" and summary["steps lost"] == "0"
+    assert summary["steps trained again"].startswith("2 ")
+    assert summary["digest match"] == "yes", summary
+
+
 def test_every_rank_killed_at_once_resumes_from_the_newest_checkpoint(workdir):
     summary = user_drill(workdir, "--kill-all", "--at-step", "13")
     assert summary["recovered"].startswith("from the last checkpoint (The job was restarted but no rank left a usable spill"), summary

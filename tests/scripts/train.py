@@ -27,8 +27,9 @@ class LossDrill(pl.Callback):
     step, which recovery must roll back.
     """
 
-    def __init__(self, step: int, ranks: list[list[int]], phase: str = "after_batch") -> None:
+    def __init__(self, step: int, ranks: list[list[int]], phase: str = "after_batch", loss_step: int | None = None) -> None:
         self.step, self.ranks, self.phase = step, ranks, phase
+        self.loss_step = step if loss_step is None else loss_step  # a later index: a loss inside a commit window
         self.committed = None
 
     def setup(self, trainer, pl_module, stage) -> None:
@@ -42,7 +43,7 @@ class LossDrill(pl.Callback):
             self._drill(trainer, phase, step)
 
     def _drill(self, trainer, phase: str, step: int) -> None:
-        if phase != self.phase or step != self.step or self.committed is None:
+        if phase != self.phase or step != self.loss_step or self.committed is None:
             return
         strategy = trainer.strategy
         for lost in self.ranks:
@@ -70,10 +71,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--monitor", action="store_true")
-    parser.add_argument("--parity", default=None, help="k,r")
+    parser.add_argument("--parity", default=None, help="k,r[,commit_every_n_steps]")
     parser.add_argument("--drill-at", type=int, default=None)
     parser.add_argument("--drill", default="", help="rank sets lost one after another, e.g. 0 1 2 or 0,1 1,2")
     parser.add_argument("--drill-phase", default="after_batch")
+    parser.add_argument("--drill-loss-at", type=int, default=None, help="index of the step the loss happens in")
     parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout in seconds")
     parser.add_argument("--no-step-digests", action="store_true", help="print only the final digest")
     args = parser.parse_args()
@@ -94,7 +96,7 @@ def main() -> None:
     callbacks = [] if args.no_step_digests else [StateDigest(at_start=True)]
     if args.drill_at is not None:
         lost = [list(map(int, s.split(","))) for s in args.drill.split()]
-        callbacks.append(LossDrill(args.drill_at, lost, args.drill_phase))
+        callbacks.append(LossDrill(args.drill_at, lost, args.drill_phase, args.drill_loss_at))
     if args.monitor:
         callbacks.append(ThroughputMonitor(log_every_n_steps=5, warmup_steps=2))
     if args.ckpt_every:
