@@ -139,8 +139,10 @@ class CodedState:
         num_tables = 0
         for kernel in fused_embedding_kernels(module):
             self._hooks.append(kernel.register_forward_pre_hook(self._capture(kernel, first_table=num_tables)))
-            states = kernel._emb_module.split_optimizer_states()
-            for table, weight, table_states in zip(kernel.config.embedding_tables, kernel.split_embedding_weights(), states):
+            states = kernel._emb_module.split_optimizer_states() or []  # SGD keeps no state: an empty list
+            tables, weights = kernel.config.embedding_tables, kernel.split_embedding_weights()
+            for i, (table, weight) in enumerate(zip(tables, weights)):
+                table_states = states[i] if i < len(states) else []
                 index, num_tables = num_tables, num_tables + 1
                 offsets = ",".join(map(str, table.local_metadata.shard_offsets)) if table.local_metadata else "0"
                 self.segments.append(Segment(f"{table.name}@{offsets}/weight", index, weight))

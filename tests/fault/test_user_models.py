@@ -1,5 +1,5 @@
 """A user's own model under ``torchrun`` with parity (tests/scripts/user_model.py: Dropout, BatchNorm, exact Adagrad
-tables, Adam and SGD-with-momentum, a per-step LR schedule, a torchdata StatefulDataLoader), drilled with
+tables or an EmbeddingCollection with SGD, Adam and SGD-with-momentum, a per-step LR schedule, a torchdata StatefulDataLoader), drilled with
 ``lightning-dlrover chaos --script``: 2 agents x 2 ranks on 127.0.0.1, a checkpoint every 5 steps.
 
 Every drill must end with the digest of the same job run without a fault; ``steps lost`` is computed by the
@@ -38,6 +38,12 @@ def workdir(tmp_path_factory):
 def test_dropout_batchnorm_model_recovers_exactly(workdir, node, step, phase):
     summary = user_drill(workdir, "--kill-node", str(node), "--at-step", str(step), "--phase", phase, "--replace")
     assert_exact(summary, step)
+
+
+def test_embedding_collection_with_sgd_recovers_exactly(workdir):
+    summary = drill(workdir, "--script", SCRIPT, "--kill-node", "0", "--at-step", "9", "--phase", "after_optimizer",
+                    "--replace", "--", "--steps", "16", "--collection")
+    assert_exact(summary, 9)
 
 
 def test_manual_optimisation_with_two_optimizers_recovers_exactly(workdir):

@@ -3,7 +3,8 @@
 Dense part with ``BatchNorm1d`` and ``Dropout``, an ``EmbeddingBagCollection`` whose tables use exact
 Adagrad (not row-wise), Adam and SGD-with-momentum for the dense parameters, a per-step LR schedule, and
 the user's own resumable ``StatefulDataLoader`` (torchdata). ``--manual`` switches to manual optimisation
-with two dense optimizers (``zero_grad`` on both, ``manual_backward``, ``step`` on both).
+with two dense optimizers (``zero_grad`` on both, ``manual_backward``, ``step`` on both); ``--collection``
+to an ``EmbeddingCollection`` (unpooled, sequence-style lookups) whose tables use plain SGD (no optimizer state).
 
 Runs under Lightning's launcher (``--devices N``) or ``torchrun`` (devices and nodes from the worker group);
 prints ``state digest: <hex>`` at the end of fit (rank 0).
@@ -21,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -70,21 +71,34 @@ class RankSlice(torch.utils.data.Sampler):
 
 
 class UserModel(pl.LightningModule):
-    def __init__(self, manual: bool = False, global_batch: int = 64) -> None:
+    def __init__(self, manual: bool = False, global_batch: int = 64, collection: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = not manual
         self.global_batch = global_batch
-        self.ebc = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=f"t{t}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{t}"])
-                    for t in range(TABLES)],
-            device=torch.device("meta"),
-        )
-        apply_optimizer_in_backward(torch.optim.Adagrad, self.ebc.parameters(), {"lr": 0.1})
+        self.collection = collection
+        if collection:
+            self.ec = EmbeddingCollection(
+                tables=[EmbeddingConfig(name=f"t{t}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{t}"])
+                        for t in range(TABLES)],
+                device=torch.device("meta"),
+            )
+            apply_optimizer_in_backward(torch.optim.SGD, self.ec.parameters(), {"lr": 0.1})
+        else:
+            self.ebc = EmbeddingBagCollection(
+                tables=[EmbeddingBagConfig(name=f"t{t}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{t}"])
+                        for t in range(TABLES)],
+                device=torch.device("meta"),
+            )
+            apply_optimizer_in_backward(torch.optim.Adagrad, self.ebc.parameters(), {"lr": 0.1})
         self.bottom = nn.Sequential(nn.Linear(DENSE, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2))
         self.top = nn.Sequential(nn.Linear(16 + TABLES * DIM, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
 
     def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
-        sparse = self.ebc(kjt).values()
+        if self.collection:  # one id per sample and feature: the sequence of each is one row
+            out = self.ec(kjt)
+            sparse = torch.cat([out[f"f{t}"].values() for t in range(TABLES)], dim=1)
+        else:
+            sparse = self.ebc(kjt).values()
         return self.top(torch.cat([self.bottom(dense), sparse], dim=1)).squeeze(1)
 
     def training_step(self, batch, batch_idx: int):
@@ -124,6 +138,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2, help="ignored under torchrun")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--manual", action="store_true")
+    parser.add_argument("--collection", action="store_true", help="EmbeddingCollection tables with SGD")
     parser.add_argument("--parity", default="1,1", help="k,r or 'none'")
     parser.add_argument("--ckpt-every", type=int, default=0)
     parser.add_argument("--root", default=".")
@@ -149,7 +164,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(UserModel(manual=args.manual), ckpt_path=args.resume)
+    trainer.fit(UserModel(manual=args.manual, collection=args.collection), ckpt_path=args.resume)
 
 
 if __name__ == "__main__":
