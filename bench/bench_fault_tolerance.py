@@ -251,7 +251,7 @@ class Bench(pl.Callback):
         if strategy.fault.coded is not None:
             self.capture_timed = instrument(strategy.fault.coded.state, "_touch", "capture", self._cpu, strategy.step_timer)
             instrument(strategy.fault, "end_step", "parity", self._cpu)  # deltas, vote, snapshots
-            self._count_deltas(strategy.fault.coded.state)
+            self._count_deltas(strategy.fault.coded)
         made = tempfile.mkdtemp(prefix="bench_ft_", dir=self.args.tmp) if trainer.is_global_zero else ""
         self.tmp = Path(strategy.broadcast(made))
         strategy.step_timer.pop_step()
@@ -276,18 +276,15 @@ class Bench(pl.Callback):
             self._save(trainer, step - self.timed_steps - 1)
         self._resume, self._resume_cpu = time.perf_counter(), time.process_time()
 
-    def _count_deltas(self, state: Any) -> None:
-        """Counts the delta bytes of every step (``CodedState.step_deltas``), if it exists."""
-        step_deltas = getattr(state, "step_deltas", None)
-        if step_deltas is None:
-            return
+    def _count_deltas(self, coded: Any) -> None:
+        """Counts the bytes every ``send_deltas`` sends (its messages: headers and row deltas)."""
+        send = coded.send_deltas
 
-        def counted() -> Any:
-            deltas = step_deltas()
-            self._delta_bytes += sum(d[-1].numel() * d[-1].element_size() for d in deltas)
-            return deltas
+        def counted() -> None:
+            send()
+            self._delta_bytes += coded.sent_bytes
 
-        state.step_deltas = counted
+        coded.send_deltas = counted
 
     def _after_timed_steps(self, trainer: pl.Trainer) -> None:
         strategy = trainer.strategy

@@ -166,9 +166,11 @@ class CodedState:
             )
             for pieces in ([p for p in self.pieces if p.segment == i] for i in range(len(self.segments)))
         ]
-        # Rows of each table touched since the last commit, and each segment's committed values of them.
-        self._touched: dict[int, Tensor] = {}
-        self._undo: dict[int, Tensor] = {}
+        # Rows of each table touched since the last commit and each segment's committed values of them, as parts
+        # appended by every forward (a row once: the bitmap of touched rows), merged in row order when read.
+        self._touched: dict[int, list[Tensor]] = {}
+        self._undo: dict[int, list[Tensor]] = {}
+        self._seen: dict[int, Tensor] = {}
 
     @staticmethod
     def _spec(segment: Segment, by_address: dict[int, SegmentSpec]) -> SegmentSpec:
@@ -240,24 +242,38 @@ class CodedState:
         return hook
 
     def _touch(self, table: int, ids: Tensor) -> None:
-        """Records rows of ``table`` about to be updated and saves their current values (the undo log)."""
+        """Records rows of ``table`` about to be updated and saves their current values (the undo log); rows already
+        touched since the last commit keep their first (committed) values."""
         rows = torch.unique(ids.to(torch.int64))
-        if table in self._touched:  # a second forward in the same step
-            rows = rows[~torch.isin(rows, self._touched[table])]
-            self._touched[table] = torch.cat([self._touched[table], rows])
-        else:
-            self._touched[table] = rows
+        seen = self._seen.get(table)
+        if seen is None:
+            seen = self._seen[table] = torch.zeros(self.segments[self._segments_of_table[table][0]].rows, dtype=torch.bool)
+        if table in self._touched:  # a later forward since the commit
+            rows = rows[~seen[rows]]
         if not rows.numel():
             return
+        seen[rows] = True
+        self._touched.setdefault(table, []).append(rows)
         for index in self._segments_of_table[table]:
-            old = self.segments[index].tensor.index_select(0, rows)
-            self._undo[index] = torch.cat([self._undo[index], old]) if index in self._undo else old
+            self._undo.setdefault(index, []).append(self.segments[index].tensor.index_select(0, rows))
+
+    def touched(self) -> list[tuple[int, Tensor, Tensor]]:
+        """``(segment, rows, old)`` for every segment changed since :meth:`commit`: the touched rows in increasing
+        order and their committed values (aligned with ``rows``)."""
+        for table, parts in self._touched.items():
+            if len(parts) > 1:  # several forwards since the commit: merge once, in row order
+                rows = torch.cat(parts)
+                order = torch.argsort(rows)
+                self._touched[table] = [rows[order]]
+                for j in self._segments_of_table[table]:
+                    if j in self._undo:
+                        self._undo[j] = [torch.cat(self._undo[j])[order]]
+        return [(index, self._touched[self.segments[index].table][0], old[0]) for index, old in self._undo.items()]
 
     def step_deltas(self) -> list[tuple[int, Tensor, Tensor]]:
         """``(segment, rows, old XOR new bytes [m, row_bytes])`` for every segment changed since :meth:`commit`."""
         deltas = []
-        for index, old in self._undo.items():
-            rows = self._touched[self.segments[index].table]
+        for index, rows, old in self.touched():
             delta = self.segments[index].tensor.index_select(0, rows)
             words = INT_OF_SIZE[old.element_size()]  # XOR whole elements: fewer, wider operations than bytes
             delta.view(words).bitwise_xor_(old.view(words))
@@ -266,12 +282,15 @@ class CodedState:
 
     def rollback(self) -> None:
         """Restores every row touched since :meth:`commit` to its committed values."""
-        for index, old in self._undo.items():
-            self.segments[index].tensor.index_copy_(0, self._touched[self.segments[index].table], old)
+        for index, rows, old in self.touched():
+            self.segments[index].tensor.index_copy_(0, rows, old)
         self.commit()
 
     def commit(self) -> None:
         """Forgets the undo log: the current bytes become the committed state."""
+        for table, parts in self._touched.items():
+            for rows in parts:
+                self._seen[table][rows] = False
         self._touched.clear()
         self._undo.clear()
 

@@ -31,6 +31,28 @@ def exchange(sends: dict[int, Tensor], dtype: torch.dtype = torch.uint8) -> dict
     return received
 
 
+def exchange_with(sends: dict[int, Tensor], sources: list[int]) -> dict[int, Tensor]:
+    """Pairwise exchange with fixed partners and no collective: one uint8 message to every rank in ``sends`` and
+    one from every rank in ``sources`` (a rank with nothing to say sends an empty message). Each message's length
+    travels first (8 bytes), then the message; only the partners wait for each other."""
+    lengths = {src: torch.empty(1, dtype=torch.int64) for src in sources}
+    ops = [dist.P2POp(dist.isend, torch.tensor([t.numel()], dtype=torch.int64), dst) for dst, t in sends.items()]
+    ops += [dist.P2POp(dist.irecv, length, src) for src, length in lengths.items()]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    received = {src: torch.empty(int(length), dtype=torch.uint8) for src, length in lengths.items()}
+    ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sends.items() if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, src) for src, t in received.items() if t.numel()]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return received
+
+
+def align(offset: int, to: int = 8) -> int:
+    """``offset`` rounded up to a multiple of ``to`` (payload blocks start aligned, so they can be viewed as any dtype)."""
+    return -(-offset // to) * to
+
+
 def pack(words: list[Tensor] | list[int], payload: list[Tensor]) -> Tensor:
     """One message: the header ``words`` (int64 tensors or ints) and the ``payload`` tensors' bytes, in order."""
     head = torch.cat([w.reshape(-1) for w in words]) if words and torch.is_tensor(words[0]) else torch.tensor(words)
