@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_strategy.py
 	$(PY) bench/bench_fault_tolerance.py
 	$(PY) bench/bench_recovery.py
+	$(PY) bench/bench_parity_floor.py
 
 clean:
 	rm -rf $(VENV) build runs *.egg-info
