@@ -1,0 +1,63 @@
+"""``lightning-dlrover chaos``: its report is computed from the job's structured events, and its rendezvous store
+listens on the loopback interface only."""
+
+import psutil
+
+from lightning_dlrover.cli.chaos import _loopback_store, parse_args, summarize
+from lightning_dlrover.monitor.events import Event
+
+
+def event(kind: str, time: float, step: int | None = None, rank: int = 0, **fields) -> Event:
+    return Event(kind, time, rank, step, 1, fields)
+
+
+def report(events, reference) -> dict[str, str]:
+    args = parse_args(["--kill-node", "0", "--at-step", "12", "--replace"])
+    lines = summarize(args, True, events, reference)
+    return dict(line.split(": ", 1) for line in lines)
+
+
+REFERENCE = [event("digest", 1.0, 12, digest="a" * 64, final=False), event("digest", 2.0, 30, digest="f" * 64, final=True)]
+RESTORED = dict(old_world_size=4, world_size=4, lost_ranks=[0, 1], decode_s=0.01, reshard_s=0.02)
+
+
+def test_steps_lost_come_from_the_last_commit_and_the_resumed_step():
+    events = [
+        event("fault_injected", 100.0, 12, phase="before_forward", target="node", signal="SIGKILL", committed_step=12),
+        event("stopped", 100.05, 12, rank=2, reason="RuntimeError", spill="x", spill_s=0.01),
+        event("restored", 110.0, 12, **RESTORED),
+        event("digest", 110.5, 12, digest="a" * 64, final=False),
+        event("resumed", 111.0, 13),
+        event("digest", 130.0, 30, digest="f" * 64, final=True),
+    ]
+    got = report(events, REFERENCE)
+    assert got["steps lost"] == "0" and got["last committed step before the kill"] == "12"
+    assert got["restored state equals the fault-free state at step 12"] == "yes"
+    assert got["detection"].startswith("0.05 s") and got["time to resume"].startswith("11.00 s")
+    assert got["digest match"] == "yes"
+
+
+def test_an_unconfirmed_restore_is_not_reported_as_exact():
+    events = [
+        event("fault_injected", 100.0, 14, phase="before_forward", target="node", signal="SIGKILL", committed_step=14),
+        event("fallback", 110.0, 10, why="2 of 4 ranks lost.", checkpoint="/c/epoch=0-step=10.ckpt", failed_step=14,
+              steps_lost=4, load_s=0.1),
+        event("digest", 130.0, 30, digest="e" * 64, final=True),
+    ]
+    got = report(events, REFERENCE)
+    assert got["steps lost"] == "4"
+    assert got["restored state equals the fault-free state at step 10"] == "no (cannot confirm: no digest of that step)"
+    assert got["digest match"] == "no"
+    no_injection = report([e for e in events if e.kind != "fault_injected"], None)
+    assert no_injection["steps lost"] == "unknown" and no_injection["node killed"] == "no"
+
+
+def test_the_rendezvous_store_listens_on_loopback_only():
+    store, sock = _loopback_store()
+    try:
+        port = sock.getsockname()[1]
+        listening = [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert listening == ["127.0.0.1"]
+    finally:
+        sock.close()
