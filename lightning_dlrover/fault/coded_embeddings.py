@@ -62,13 +62,15 @@ class CodedEmbeddings:
     def _group_chunks(self, holders: list[int]) -> dict[int, Tensor]:
         """Sends each rank in ``holders`` the data chunks held here of the groups it holds parity of;
         returns the chunks received, concatenated per source rank."""
-        sends: dict[int, list[Tensor]] = defaultdict(list)
-        for dst in holders:
-            for group, _ in self.placement.parity_held(dst):
-                for c in range(self.placement.k):
-                    if self.placement.data_rank(group, c) == self.rank:
-                        sends[dst].append(self.state.read_chunk(c))
-        return exchange({d: torch.cat(t) for d, t in sends.items()})
+        wanted = {dst: [c for group, _ in self.placement.parity_held(dst) for c in range(self.placement.k)
+                        if self.placement.data_rank(group, c) == self.rank] for dst in holders}
+        sends = {}
+        for dst, chunks in wanted.items():
+            if chunks:  # each chunk read once, straight into its message
+                message = sends[dst] = torch.empty(len(chunks), self.state.chunk_len, dtype=torch.uint8)
+                for at, c in enumerate(chunks):
+                    self.state.read_chunk(c, out=message[at])
+        return exchange({dst: message.view(-1) for dst, message in sends.items()})
 
     def _encode_held(self, received: dict[int, Tensor]) -> None:
         """Encodes this rank's parity rows from the group data chunks received by :meth:`_group_chunks`."""
@@ -79,7 +81,7 @@ class CodedEmbeddings:
                 src, at = self.placement.data_rank(group, c), offsets[self.placement.data_rank(group, c)]
                 data.append(received[src][at : at + self.state.chunk_len])
                 offsets[src] += self.state.chunk_len
-            self.code.encode(torch.stack(data), parity_ids=[self.placement.k + p], out=self.parity[p : p + 1])
+            self.code.encode(data, parity_ids=[self.placement.k + p], out=self.parity[p : p + 1])  # no stacked copy
 
     def encode(self) -> None:
         """Encodes all parity from scratch (start-up and after a checkpoint restore)."""
@@ -190,8 +192,16 @@ class CodedEmbeddings:
                 f"{len(lost)} ranks lost ({lost}) but parity tolerates r={r}; restore the last checkpoint instead."
             )
         self.rollback()
-        same = lambda rank: rank  # noqa: E731  (in place: every rank holds and rebuilds its own chunks)
-        read = lambda _, shard: self.state.read_chunk(shard) if shard < k else self.parity[shard - k]  # noqa: E731
+
+        def same(rank: int) -> int:  # in place: every rank holds and rebuilds its own chunks
+            return rank
+
+        def read(_: int, shard: int, out: Tensor) -> None:
+            if shard < k:
+                self.state.read_chunk(shard, out=out)
+            else:
+                out.copy_(self.parity[shard - k])
+
         rebuilt = decode_lost(self.placement, self.state.chunk_len, lost, self.rank, same, same, read)
         for chunk, data in enumerate(rebuilt.get(self.rank, [])):
             self.state.write_chunk(chunk, data)

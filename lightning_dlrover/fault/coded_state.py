@@ -201,9 +201,9 @@ class CodedState:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         return int(agreed)
 
-    def read_chunk(self, chunk: int) -> Tensor:
-        """A copy of chunk ``chunk``: uint8 ``[chunk_len]`` (padding bytes are zero)."""
-        out = torch.zeros(self.chunk_len, dtype=torch.uint8)
+    def read_chunk(self, chunk: int, out: Tensor | None = None) -> Tensor:
+        """A copy of chunk ``chunk``: uint8 ``[chunk_len]`` (padding bytes are zero), written into ``out`` if given."""
+        out = torch.zeros(self.chunk_len, dtype=torch.uint8) if out is None else out.zero_()
         for p in self.pieces:
             if p.chunk == chunk:
                 seg = self.segments[p.segment]

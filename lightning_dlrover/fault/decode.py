@@ -22,7 +22,7 @@ def decode_lost(
     me: int,
     holder: Callable[[int], int],
     decoder: Callable[[int], int],
-    read: Callable[[int, int], Tensor],
+    read: Callable[[int, int, Tensor], None],
 ) -> dict[int, Tensor]:
     """Rebuilds the ``k`` data chunks of every rank in ``lost`` (a collective over the current process group).
 
@@ -33,20 +33,26 @@ def decode_lost(
         me: this worker's rank in the current process group.
         holder: worker that holds the chunks and parity of a surviving rank of ``placement``.
         decoder: worker that rebuilds a lost rank.
-        read: ``read(rank, shard)``, on the holder of ``rank``: its data chunk ``shard < k`` or its parity
-            row ``shard - k``, as uint8 ``[chunk_len]``.
+        read: ``read(rank, shard, out)``, on the holder of ``rank``: writes its data chunk ``shard < k`` or its
+            parity row ``shard - k`` into ``out`` (uint8 ``[chunk_len]``, a slice of the outgoing message).
 
     Returns:
         uint8 ``[k, chunk_len]`` for each lost rank decoded on this worker.
     """
     k = placement.k
     plan = placement.decode_plan(lost)
-    sends: dict[int, list[Tensor]] = defaultdict(list)
+    counts: dict[int, int] = defaultdict(int)
     for rank, _, sources in plan:
+        counts[decoder(rank)] += sum(holder(src) == me for src, _ in sources)
+    sends = {dst: torch.empty(n * chunk_len, dtype=torch.uint8) for dst, n in counts.items() if n}
+    filled: dict[int, int] = defaultdict(int)
+    for rank, _, sources in plan:  # each source chunk is read once, straight into its message
         for src, shard in sources:
             if holder(src) == me:
-                sends[decoder(rank)].append(read(src, shard))
-    received = exchange({dst: torch.cat(parts) for dst, parts in sends.items()})
+                dst = decoder(rank)
+                read(src, shard, sends[dst][filled[dst] : filled[dst] + chunk_len])
+                filled[dst] += chunk_len
+    received = exchange(sends)
     code, offsets = ReedSolomonCode(k, placement.r), defaultdict(int)
     rebuilt = {rank: torch.empty(k, chunk_len, dtype=torch.uint8) for rank in lost if decoder(rank) == me}
     for rank, chunk, sources in plan:

@@ -336,9 +336,18 @@ class FaultManager:
         return Spill(
             rank=self._host.global_rank, world_size=self._host.world_size, step=self.committed_step, k=state.k,
             r=placement.r, local_world_size=placement.local_world_size, chunk_len=state.chunk_len,
-            layouts=state.layouts, chunks=torch.stack([state.read_chunk(c) for c in range(state.k)]),
+            layouts=state.layouts, chunks=self._read_chunks(),
             parity=self.coded.parity, rank_states=self._rank_states, meta=meta, identity=job_identity(),
         )  # fmt: skip
+
+    def _read_chunks(self) -> Tensor:
+        """This rank's ``k`` data chunks in one uint8 ``[k, chunk_len]`` tensor."""
+        assert self.coded is not None
+        state = self.coded.state
+        chunks = torch.empty(state.k, state.chunk_len, dtype=torch.uint8)
+        for c in range(state.k):
+            state.read_chunk(c, out=chunks[c])
+        return chunks
 
     def recover(self, lost_ranks: list[int]) -> None:
         """Rebuilds the embedding shards, optimizer state and parity of ``lost_ranks`` in place, at the last

@@ -116,7 +116,7 @@ def restore(state: CodedState | None, spills: list[Spill]) -> RecoveryReport | N
             placement, chunk_len, lost, me,
             holder=holders.__getitem__,
             decoder={rank: i % world for i, rank in enumerate(lost)}.__getitem__,
-            read=lambda rank, shard: held[rank].chunks[shard] if shard < k else held[rank].parity[shard - k],
+            read=lambda rank, shard, out: out.copy_(held[rank].chunks[shard] if shard < k else held[rank].parity[shard - k]),
         )
     )  # fmt: skip
     decoded = time.perf_counter()

@@ -354,10 +354,13 @@ class DLRoverStrategy(DDPStrategy):
         return meta
 
     def latest_checkpoint(self, at_most: int | None) -> Path | None:
-        """The newest complete checkpoint (step ``<= at_most``) under the trainer's ``ModelCheckpoint`` directory."""
+        """The newest complete checkpoint (step ``<= at_most``) under the trainer's ``ModelCheckpoint`` directory,
+        at the start of a restarted job; half-written ones (``*.partial``) a failed save left are removed."""
         callback = self.lightning_module.trainer.checkpoint_callback
         found = None
         if self.is_global_zero and callback is not None and getattr(callback, "dirpath", None):
+            for partial in Path(callback.dirpath).glob("*.partial"):
+                shutil.rmtree(partial, ignore_errors=True)
             found = directory.latest_checkpoint(Path(callback.dirpath), at_most)
         found = self.broadcast(str(found) if found is not None else None)
         return Path(found) if found is not None else None

@@ -1,6 +1,5 @@
 """CodedState on a real single-process TorchRec model: chunk layout round-trips and the undo log."""
 
-import os
 
 import pytest
 import torch
@@ -17,10 +16,9 @@ from lightning_dlrover.strategy.sharding import plan_sharding
 
 
 @pytest.fixture(scope="module")
-def sharded_ebc():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29641")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+def sharded_ebc(tmp_path_factory):
+    store = tmp_path_factory.mktemp("pg") / "store"  # a file store: no port another job could hold
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     torch.manual_seed(0)
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8 * (i + 1), num_embeddings=50 + 30 * i,
                                  feature_names=[f"f{i}"]) for i in range(3)]

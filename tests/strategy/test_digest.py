@@ -1,6 +1,5 @@
 """The state digest in one process: canonical order, sensitivity to every byte, ShardedTensor layout independence."""
 
-import os
 
 import pytest
 import torch
@@ -12,10 +11,9 @@ from lightning_dlrover.monitor import state_digest
 
 
 @pytest.fixture(scope="module")
-def single_process_group():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29631")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+def single_process_group(tmp_path_factory):
+    store = tmp_path_factory.mktemp("pg") / "store"  # a file store: no port another job could hold
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
