@@ -52,9 +52,6 @@ class Job:
     agents: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
 
-    def output(self) -> str:
-        return "\n".join(path.read_text(errors="replace") for path in self.logs if path.exists())
-
     def events(self) -> list[Event]:
         """The job's structured events (every rank of every node appends to one file)."""
         return read_events([self.workdir / "events.jsonl"])

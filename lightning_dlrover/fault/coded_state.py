@@ -270,16 +270,6 @@ class CodedState:
                         self._undo[j] = [torch.cat(self._undo[j])[order]]
         return [(index, self._touched[self.segments[index].table][0], old[0]) for index, old in self._undo.items()]
 
-    def step_deltas(self) -> list[tuple[int, Tensor, Tensor]]:
-        """``(segment, rows, old XOR new bytes [m, row_bytes])`` for every segment changed since :meth:`commit`."""
-        deltas = []
-        for index, rows, old in self.touched():
-            delta = self.segments[index].tensor.index_select(0, rows)
-            words = INT_OF_SIZE[old.element_size()]  # XOR whole elements: fewer, wider operations than bytes
-            delta.view(words).bitwise_xor_(old.view(words))
-            deltas.append((index, rows, as_bytes(delta.reshape(len(rows), -1))))
-        return deltas
-
     def rollback(self) -> None:
         """Restores every row touched since :meth:`commit` to its committed values."""
         for index, rows, old in self.touched():

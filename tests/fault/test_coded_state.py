@@ -62,13 +62,12 @@ def test_undo_log_over_two_forwards_in_one_step(sharded_ebc):
     state._touch(0, torch.tensor([5, 2]))  # row 2 already logged: its committed value must be kept
     weight[[2, 5]] += 1.0
     momentum[5] += 3.0
-    deltas = {index: (rows, delta) for index, rows, delta in state.step_deltas()}
-    rows, delta = deltas[0]
-    assert rows.tolist() == [1, 2, 5]
-    expected = original[0].index_select(0, rows).view(torch.int32) ^ weight.index_select(0, rows).view(torch.int32)
-    assert torch.equal(delta.view(torch.int32), expected)
-    assert deltas[1][0].tolist() == [1, 2, 5]
+    touched = {index: (rows, old) for index, rows, old in state.touched()}
+    rows, old = touched[0]
+    assert rows.tolist() == [1, 2, 5]  # in row order, each row once
+    assert torch.equal(old, original[0].index_select(0, rows))  # the committed values, not the first forward's
+    assert touched[1][0].tolist() == [1, 2, 5] and torch.equal(touched[1][1], original[1].index_select(0, rows))
     state.rollback()
     assert torch.equal(weight, original[0]) and torch.equal(momentum, original[1])
-    assert state.step_deltas() == []
+    assert state.touched() == []
     state.close()
