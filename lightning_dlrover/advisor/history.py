@@ -89,6 +89,7 @@ measurements = sa.Table(
     sa.Column("step_s", sa.Float, nullable=False),
     sa.Column("data_wait_s", sa.Float, nullable=False),
     sa.Column("rss_bytes", sa.BigInteger),
+    sa.Column("cores_available", sa.Float),  # cores per node not taken by other programs while measured
 )
 
 def _migrate_1(conn: Connection) -> None:

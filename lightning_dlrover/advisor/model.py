@@ -116,7 +116,7 @@ class Observation:
     Attributes:
         config: the resources.
         shape: the job.
-        cores: cores per node.
+        cores: cores per node the job could use while measured (fewer than the machine's when other programs ran).
         step_s: wall seconds per step.
         data_wait_s: seconds per step the ranks waited for data (mean over ranks).
         rss_bytes: peak resident memory per rank, if measured.
@@ -125,7 +125,7 @@ class Observation:
 
     config: ResourceConfig
     shape: JobShape
-    cores: int
+    cores: float
     step_s: float
     data_wait_s: float = 0.0
     rss_bytes: float | None = None
@@ -148,14 +148,14 @@ class Prediction:
     rss_bytes: float | None
 
 
-def _speeds(c: ResourceConfig, cores: int, u: float) -> tuple[float, float, float]:
+def _speeds(c: ResourceConfig, cores: float, u: float) -> tuple[float, float, float]:
     """(q, p, o): a thread's core share, a rank's cores, oversubscription (see the module docstring)."""
     busy = c.ranks_per_node * (c.threads_per_rank + u)
     q = min(1.0, cores / busy)
     return q, c.threads_per_rank * q, max(0.0, busy - cores) / cores
 
 
-def train_features(c: ResourceConfig, shape: JobShape, cores: int, u: float = 0.0) -> np.ndarray:
+def train_features(c: ResourceConfig, shape: JobShape, cores: float, u: float = 0.0) -> np.ndarray:
     """Features of :data:`TRAIN_TERMS` (see the module docstring)."""
     q, p, o = _speeds(c, cores, u)
     w, b, d = c.world_size, c.batch_per_rank, shape.pooled_floats
@@ -256,7 +256,7 @@ class PerformanceModel:
         self.fitted_on = len(obs)
         return self
 
-    def _make_s(self, c: ResourceConfig, cores: int, u: float) -> float:
+    def _make_s(self, c: ResourceConfig, cores: float, u: float) -> float:
         """Seconds to make one batch (``T_make``), 0 if the data part is not fitted."""
         if self.make is None:
             return 0.0
@@ -267,7 +267,7 @@ class PerformanceModel:
             return 0.0
         return min(float(c.data_workers), float(make_features(c, 1.0) @ self.make) / step_s)
 
-    def predict(self, config: ResourceConfig, shape: JobShape, cores: int) -> Prediction:
+    def predict(self, config: ResourceConfig, shape: JobShape, cores: float) -> Prediction:
         """Step time, its parts, throughput and memory of ``config`` (see the module docstring)."""
         u, step, train, wait = 0.0, 0.0, 0.0, 0.0
         for _ in range(20):

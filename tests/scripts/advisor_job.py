@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_dlrover import DLRoverStrategy, TableConstraint, ThroughputMonitor
+from lightning_dlrover import DLRoverStrategy, ResourceAdvisor, TableConstraint, ThroughputMonitor
 from lightning_dlrover.data.sources import NUM_SPARSE, SPARSE_NAMES, SyntheticCriteo, make_batch
 from lightning_dlrover.models import DLRMModule
 from torchrec.datasets.utils import Batch
@@ -165,6 +165,53 @@ class GridSweep(pl.Callback):
             self._set(self.segments[self.i])
 
 
+class SlowRank(pl.Callback):
+    """From step ``start`` on, rank ``rank`` burns ``ms`` of CPU in every forward (a slower machine) or, with
+    ``sleep``, sleeps that long before fetching its next batch (slow storage)."""
+
+    def __init__(self, rank: int, start: int, ms: float, sleep: bool) -> None:
+        self.rank, self.start, self.seconds, self.sleep = rank, start, ms / 1000, sleep
+
+    def _slow(self, trainer) -> bool:
+        return trainer.global_rank == self.rank and trainer.global_step >= self.start
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._slow(trainer) and not self.sleep:
+            end = time.thread_time() + self.seconds
+            a = torch.randn(64, 64)
+            while time.thread_time() < end:
+                a = (a @ a).tanh_()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._slow(trainer) and self.sleep:
+            time.sleep(self.seconds)
+
+
+class Leak(pl.Callback):
+    """From step ``start`` on, every rank keeps ``mb`` MiB more per step (a growing cache); rank 0 prints the step at
+    which the node's training memory first reaches ``limit`` bytes and stops the job a few steps later."""
+
+    def __init__(self, mb: float, start: int, limit: float | None) -> None:
+        self.bytes, self.start, self.limit, self.kept, self.crossed = int(mb * 2**20), start, limit, [], None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.start:
+            self.kept.append(torch.ones(self.bytes // 4, dtype=torch.float32))
+        if self.limit is None:
+            return
+        from lightning_dlrover.monitor.steps import rss_bytes
+
+        total = torch.tensor([float(rss_bytes())], dtype=torch.float64)
+        if trainer.world_size > 1:
+            dist.all_reduce(total)
+        if self.crossed is None and total.item() >= self.limit:
+            self.crossed = trainer.global_step
+            if trainer.is_global_zero:
+                print(f"LEAK_CROSSED_LIMIT step={self.crossed} time={time.time()}", flush=True)
+        if self.crossed is not None and trainer.global_step >= self.crossed + 2:
+            trainer.should_stop = True
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--devices", type=int, default=2)
@@ -182,6 +229,20 @@ def main() -> None:
     p.add_argument("--measure", type=int, default=6)
     p.add_argument("--out", default="grid.jsonl")
     p.add_argument("--root", default="runs/advisor_job")
+    p.add_argument("--advisor", action="store_true")
+    p.add_argument("--history", default=None)
+    p.add_argument("--apply", action="store_true")
+    p.add_argument("--profile-steps", type=int, default=30)
+    p.add_argument("--probe-steps", type=int, default=6)
+    p.add_argument("--check-every", type=int, default=10)
+    p.add_argument("--search", default="", help="JSON SearchSpace fields")
+    p.add_argument("--slow-rank", type=int, default=None)
+    p.add_argument("--slow-from", type=int, default=20)
+    p.add_argument("--slow-ms", type=float, default=30.0)
+    p.add_argument("--slow-sleep", action="store_true")
+    p.add_argument("--leak-mb", type=float, default=0.0)
+    p.add_argument("--leak-from", type=int, default=5)
+    p.add_argument("--memory-limit-mb", type=float, default=None, help="the advisor's (and Leak's) node memory limit")
     args = p.parse_args()
 
     pl.seed_everything(args.seed)
@@ -210,6 +271,16 @@ def main() -> None:
 
     knobs = Knobs()
     callbacks.append(knobs)
+    if args.slow_rank is not None:
+        callbacks.append(SlowRank(args.slow_rank, args.slow_from, args.slow_ms, args.slow_sleep))
+    limit = int(args.memory_limit_mb * 2**20) if args.memory_limit_mb else None
+    if args.leak_mb:
+        callbacks.append(Leak(args.leak_mb, args.leak_from, limit))
+    if args.advisor:
+        callbacks.append(ResourceAdvisor(
+            profile_steps=args.profile_steps, probe_steps=args.probe_steps, apply=args.apply, history=args.history,
+            check_every_n_steps=args.check_every, memory_limit_bytes=limit,
+            search=json.loads(args.search) if args.search else None))
     if args.sweep:
         segments = [tuple(map(int, s.split(":"))) for s in args.sweep.split(",")]
         callbacks.append(GridSweep(segments, knobs, monitor, args.settle, args.measure, args.out, args.devices))
