@@ -63,7 +63,8 @@ class Straggler:
     Attributes:
         rank: the rank.
         cause: one of :data:`STRAGGLER_CAUSES`.
-        ratio: its own (or, for ``communication``, blocked) time per step over the median of the other ranks'.
+        ratio: its own (or, for ``communication``, blocked) time per step over the median rank's (the other rank's
+            with two ranks).
         excess_ms: milliseconds per step above that median.
         since_step: first step of the first window in which it was slow.
         named_at_step: the step at which it was named.
@@ -77,12 +78,12 @@ class Straggler:
     named_at_step: int
 
     def message(self) -> str:
-        return (f"rank {self.rank} is a straggler ({self.cause}): {self.ratio:.1f}x the other ranks' median, "
+        return (f"rank {self.rank} is a straggler ({self.cause}): {self.ratio:.1f}x the median rank, "
                 f"+{self.excess_ms:.1f} ms per step since step {self.since_step}")
 
 
 class StragglerDetector:
-    """Names a rank whose own time per step is at least ``threshold`` x the median of the other ranks' (and at least
+    """Names a rank whose own time per step is at least ``threshold`` x the median rank's (and at least
     ``min_excess_s`` more) in ``patience`` consecutive windows, so within ``patience`` windows of it turning slow.
 
     Raises:
@@ -105,9 +106,11 @@ class StragglerDetector:
         if len(windows) < 2:
             return []
         found = []
-        verdicts = {w.rank: self._judge_own(w, [o for o in windows if o.rank != w.rank]) for w in windows}
+        # The reference is the median of all ranks (of the other rank with two: the median of two is their mean).
+        ref = {w.rank: [o for o in windows if o.rank != w.rank] if len(windows) == 2 else list(windows) for w in windows}
+        verdicts = {w.rank: self._judge_own(w, ref[w.rank]) for w in windows}
         if not any(verdicts.values()):  # ranks waiting for a slow rank are blocked: no communication verdict then
-            verdicts = {w.rank: self._judge_blocked(w, [o for o in windows if o.rank != w.rank]) for w in windows}
+            verdicts = {w.rank: self._judge_blocked(w, ref[w.rank]) for w in windows}
         for w in windows:
             verdict = verdicts[w.rank]
             if verdict is None:

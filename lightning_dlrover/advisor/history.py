@@ -245,6 +245,8 @@ def _engine(url: str) -> Engine:
         ) from err
     except sa.exc.OperationalError as err:
         raise ValueError(f"job history {url!r} cannot be opened: {err.orig}. Check the path/host and permissions.") from err
+    except OSError as err:
+        raise ValueError(f"job history {url!r} cannot be opened: {err}. Check the path and permissions.") from err
 
 
 def _sqlite_locking(engine: Engine) -> None:
@@ -256,6 +258,7 @@ def _sqlite_locking(engine: Engine) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA busy_timeout = 60000")
         cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = NORMAL")  # WAL stays consistent; a power cut may drop the last commits
         cursor.close()
 
     @sa.event.listens_for(engine, "begin")
