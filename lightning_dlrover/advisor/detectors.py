@@ -7,10 +7,12 @@ A rank's step time in synchronous training is the same on every rank (collective
 stragglers are told apart by what each rank did with the step: its **own** time is the data wait plus the time
 its main thread was running or runnable (``busy``); the rest of the step it was **blocked** (in collectives,
 waiting for peers or the network). The straggler is the rank whose own time is far above the others'; its cause
-is the larger excess (data wait or compute). When no rank is slow on its own time, a rank whose blocked time is
-far above the others' is named with cause ``communication`` (ranks waiting for a slow rank are blocked too, so
-this is not asked while one is). A rank that sleeps inside a step (not between steps) is
-indistinguishable from one waiting for a peer without tracing collectives, and is not named.
+is the larger excess (data wait or compute). A rank's blocked time is no evidence against it (every rank but the
+slowest waits for the slowest), but the slowest rank's blocked time is the collectives' own duration: when even
+the least-blocked rank spends ``comm_share`` of the step blocked, the cause is **communication** (a slow link
+slows every rank of a collective alike, so it is reported for the job, not for one rank). A rank that sleeps
+inside a step (not between steps) is indistinguishable from one waiting for a peer without tracing collectives,
+and is not named.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-STRAGGLER_CAUSES = ("data wait", "compute", "communication")
+STRAGGLER_CAUSES = ("data wait", "compute")
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,7 @@ class Straggler:
     Attributes:
         rank: the rank.
         cause: one of :data:`STRAGGLER_CAUSES`.
-        ratio: its own (or, for ``communication``, blocked) time per step over the median rank's (the other rank's
-            with two ranks).
+        ratio: its own time per step over the median rank's (the other rank's with two ranks).
         excess_ms: milliseconds per step above that median.
         since_step: first step of the first window in which it was slow.
         named_at_step: the step at which it was named.
@@ -90,14 +91,18 @@ class StragglerDetector:
         ValueError: ``threshold <= 1``, ``patience < 1`` or ``min_excess_s < 0``.
     """
 
-    def __init__(self, threshold: float = 1.5, patience: int = 2, min_excess_s: float = 0.002) -> None:
+    def __init__(self, threshold: float = 1.5, patience: int = 2, min_excess_s: float = 0.002,
+                 comm_share: float = 0.5) -> None:
         if threshold <= 1:
             raise ValueError(f"straggler threshold={threshold} must be above 1 (a ratio to the median rank).")
         if patience < 1:
             raise ValueError(f"straggler patience={patience} must be at least 1 window.")
         if min_excess_s < 0:
             raise ValueError(f"straggler min_excess_s={min_excess_s} must be >= 0.")
-        self.threshold, self.patience, self.min_excess_s = threshold, patience, min_excess_s
+        self.threshold, self.patience, self.min_excess_s, self.comm_share = threshold, patience, min_excess_s, comm_share
+        self._comm_streak = 0
+        #: Blocked seconds per step of the least-blocked rank when the job was found communication-bound.
+        self.communication_s: float | None = None
         self._streak: dict[int, tuple[int, int, str]] = {}  # rank -> (windows, since_step, cause)
         self.named: dict[int, Straggler] = {}
 
@@ -109,8 +114,6 @@ class StragglerDetector:
         # The reference is the median of all ranks (of the other rank with two: the median of two is their mean).
         ref = {w.rank: [o for o in windows if o.rank != w.rank] if len(windows) == 2 else list(windows) for w in windows}
         verdicts = {w.rank: self._judge_own(w, ref[w.rank]) for w in windows}
-        if not any(verdicts.values()):  # ranks waiting for a slow rank are blocked: no communication verdict then
-            verdicts = {w.rank: self._judge_blocked(w, ref[w.rank]) for w in windows}
         for w in windows:
             verdict = verdicts[w.rank]
             if verdict is None:
@@ -134,10 +137,19 @@ class StragglerDetector:
             return ("data wait" if data >= busy else "compute"), w.own_s / max(own, 1e-9), w.own_s - own
         return None
 
-    def _judge_blocked(self, w: RankWindow, others: list[RankWindow]) -> tuple[str, float, float] | None:
-        blocked = statistics.median(o.blocked_s for o in others)
-        if w.blocked_s >= self.threshold * blocked and w.blocked_s - blocked >= self.min_excess_s:
-            return "communication", w.blocked_s / max(blocked, 1e-9), w.blocked_s - blocked
+    def communication_bound(self, windows: Sequence[RankWindow]) -> float | None:
+        """Blocked seconds per step of the least-blocked rank once it exceeded ``comm_share`` of the step in
+        ``patience`` consecutive windows (reported once), else ``None``."""
+        if len(windows) < 2:
+            return None
+        least = min(windows, key=lambda w: w.blocked_s)
+        if least.blocked_s < self.comm_share * least.step_s or least.blocked_s < self.min_excess_s:
+            self._comm_streak = 0
+            return None
+        self._comm_streak += 1
+        if self._comm_streak == self.patience:
+            self.communication_s = least.blocked_s
+            return least.blocked_s
         return None
 
 

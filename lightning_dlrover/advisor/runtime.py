@@ -119,6 +119,13 @@ class RuntimeWatch:
             for s in self.stragglers.update(windows):
                 self.report(s.message(), "straggler", step, dict(straggler_rank=s.rank, cause=s.cause, ratio=s.ratio,
                                                                   excess_ms=s.excess_ms, since_step=s.since_step))
+            if (comm := self.stragglers.communication_bound(windows)) is not None:
+                step_s = max(w.step_s for w in windows)
+                self.report(f"communication-bound: even the slowest rank is blocked in collectives {1000 * comm:.1f} ms "
+                            f"of each {1000 * step_s:.1f} ms step (no single rank is to blame; fewer ranks or nodes, or "
+                            "a faster interconnect)", "straggler", step,
+                            dict(straggler_rank=-1, cause="communication", ratio=comm / step_s, excess_ms=1000 * comm,
+                                 since_step=windows[0].first_step))
         if windows:
             for f in self.oom.update(windows, max(w.step_s for w in windows)):
                 self.report(f.message(), "oom_forecast", step, dict(
