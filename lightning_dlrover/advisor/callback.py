@@ -222,7 +222,8 @@ class ResourceAdvisor(Callback):
         self._seen = record.index
         step = trainer.global_step
         data = record.sections.get("data_wait", 0.0)
-        self.watch.add_step(step, record.seconds, data, record.busy_seconds, float(record.rss_bytes))
+        self.watch.add_step(step, record.seconds, data, record.busy_seconds, float(record.rss_bytes),
+                            record.data_busy_seconds)
         self._profile_step(trainer, record.seconds, data, float(record.rss_bytes), step)
         if step % self.check_every == 0:
             self.watch.check(trainer.global_rank, trainer.num_devices, trainer.world_size, step)

@@ -35,8 +35,9 @@ class RankWindow:
         node: node index (``rank // ranks_per_node``).
         first_step, last_step: global steps the window covers.
         step_s: wall seconds per step.
-        data_s: data wait per step.
+        data_s: data wait per step (wall).
         busy_s: main-thread running/runnable seconds per step outside the data wait (its own compute).
+        data_busy_s: main-thread running/runnable seconds per step inside the data wait (making batches, callbacks).
         rss: ``(global step, bytes)`` resident memory of the rank (plus its data workers) at each step.
     """
 
@@ -48,14 +49,17 @@ class RankWindow:
     data_s: float
     busy_s: float
     rss: tuple[tuple[int, float], ...] = ()
+    data_busy_s: float = 0.0
 
     @property
     def own_s(self) -> float:
-        return self.data_s + self.busy_s
+        """Seconds per step this rank's main thread worked (in the data wait and in the step)."""
+        return self.data_busy_s + self.busy_s
 
     @property
     def blocked_s(self) -> float:
-        return max(0.0, self.step_s - self.own_s)
+        """Seconds per step blocked inside the step (collectives: waiting for peers or transfers)."""
+        return max(0.0, self.step_s - self.data_s - self.busy_s)
 
 
 @dataclass(frozen=True)
@@ -132,9 +136,12 @@ class StragglerDetector:
     def _judge_own(self, w: RankWindow, others: list[RankWindow]) -> tuple[str, float, float] | None:
         own = statistics.median(o.own_s for o in others)
         if w.own_s >= self.threshold * own and w.own_s - own >= self.min_excess_s:
-            data = w.data_s - statistics.median(o.data_s for o in others)
+            data = w.data_busy_s - statistics.median(o.data_busy_s for o in others)
             busy = w.busy_s - statistics.median(o.busy_s for o in others)
             return ("data wait" if data >= busy else "compute"), w.own_s / max(own, 1e-9), w.own_s - own
+        data = statistics.median(o.data_s for o in others)  # waiting for storage or data workers: not busy
+        if w.data_s >= self.threshold * data and w.data_s - data >= self.min_excess_s:
+            return "data wait", w.data_s / max(data, 1e-9), w.data_s - data
         return None
 
     def communication_bound(self, windows: Sequence[RankWindow]) -> float | None:
@@ -215,15 +222,12 @@ class OOMForecaster:
                 del series[old]
             if len(steps) < 3:
                 continue
-            x = np.array(steps, dtype=float)
-            y = np.array([series[s] for s in steps])
-            slope, intercept = np.polyfit(x, y, 1)
-            fitted = slope * x + intercept
-            total = float(np.sum((y - y.mean()) ** 2))
-            r2 = 1.0 - float(np.sum((y - fitted) ** 2)) / total if total > 0 else 0.0
-            if slope < self.min_growth or r2 < self.min_r2:
+            fit = _steepest_fit(np.array(steps, dtype=float), np.array([series[s] for s in steps]), self.min_r2)
+            if fit is None or fit[0] < self.min_growth:
                 continue
-            now = max(float(fitted[-1]), float(y[-1]))
+            slope, fitted = fit
+            y = np.array([series[s] for s in steps])
+            now = max(fitted, float(y[-1]))
             steps_left = max(0.0, (self.limit - now) / slope)
             previous = self._warned.get(node)
             if steps_left <= self.horizon and (previous is None or steps_left <= previous / 2):
@@ -232,6 +236,23 @@ class OOMForecaster:
                 self.forecasts.append(forecast)
                 found.append(forecast)
         return found
+
+
+def _steepest_fit(x: np.ndarray, y: np.ndarray, min_r2: float) -> tuple[float, float] | None:
+    """``(slope, fitted value at the last x)`` of the steepest straight-line fit with ``R^2 >= min_r2`` over the
+    last n, n/2, n/4 points (at least 4): growth that began inside the window is not averaged with the flat part
+    before it, so the forecast errs early rather than late."""
+    best = None
+    n = len(x)
+    while n >= 4 or (best is None and n == len(x) and n >= 3):
+        xs, ys = x[-n:], y[-n:]
+        slope, intercept = np.polyfit(xs, ys, 1)
+        total = float(np.sum((ys - ys.mean()) ** 2))
+        r2 = 1.0 - float(np.sum((ys - (slope * xs + intercept)) ** 2)) / total if total > 0 else 0.0
+        if r2 >= min_r2 and (best is None or slope > best[0]):
+            best = (float(slope), float(slope * xs[-1] + intercept))
+        n //= 2
+    return best
 
 
 @dataclass(frozen=True)

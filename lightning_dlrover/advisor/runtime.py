@@ -96,11 +96,11 @@ class RuntimeWatch:
         rows = {t.name: (t.rows, list(features.get(t.name, [t.name]))) for t in tables}
         self.lookups = LookupCounter(rows) if rows else None
         self.global_counts = None
-        self._steps: list[tuple[int, float, float, float, float]] = []  # step, seconds, data, busy, rss
+        self._steps: list[tuple[int, float, float, float, float, float]] = []  # step, s, data, busy, rss, data busy
         self._hot_reported: set[int] = set()
 
-    def add_step(self, step: int, seconds: float, data: float, busy: float, rss: float) -> None:
-        self._steps.append((step, seconds, data, busy, rss))
+    def add_step(self, step: int, seconds: float, data: float, busy: float, rss: float, data_busy: float) -> None:
+        self._steps.append((step, seconds, data, busy, rss, data_busy))
 
     def check(self, rank: int, ranks_per_node: int, world_size: int, step: int) -> None:
         """Gathers every rank's window since the last check (collective) and runs the detectors on rank 0."""
@@ -109,12 +109,14 @@ class RuntimeWatch:
         n = max(len(steps), 1)
         local = RankWindow(rank, rank // ranks_per_node, steps[0][0] if steps else step, step,
                            sum(s[1] for s in steps) / n, sum(s[2] for s in steps) / n, sum(s[3] for s in steps) / n,
-                           tuple((s[0], s[4] + extra) for s in steps)) if steps else None
+                           tuple((s[0], s[4] + extra) for s in steps), sum(s[5] for s in steps) / n) if steps else None
         counts = self.lookups.counts.clone() if self.lookups is not None else None
         gathered = gather(world_size, (local, counts))
         if rank != 0:
             return
         windows = [w for w, _ in gathered if w is not None]
+        if os.environ.get("ADVISOR_DEBUG"):
+            print("WIN", [(w.rank, w.first_step, round(1000 * w.step_s, 1), round(1000 * w.data_s, 1), round(1000 * w.data_busy_s, 1), round(1000 * w.busy_s, 1)) for w in windows], flush=True)
         if len(windows) == len(gathered):
             for s in self.stragglers.update(windows):
                 self.report(s.message(), "straggler", step, dict(straggler_rank=s.rank, cause=s.cause, ratio=s.ratio,

@@ -27,6 +27,9 @@ class StepRecord:
             reports it, else on-CPU) from the start of the forward to the end of the step: its own compute, as
             opposed to time blocked waiting (on peers in a collective, on I/O, asleep).
         rss_bytes: resident set size of the process at the end of the step.
+        data_busy_seconds: like ``busy_seconds``, over the data wait (the loader's work in this process, callbacks
+            between steps), as opposed to waiting there (for worker processes, storage, or peers: Lightning
+            synchronises ranks once between two steps).
     """
 
     index: int
@@ -36,6 +39,7 @@ class StepRecord:
     sections: dict[str, float] = field(default_factory=dict)
     busy_seconds: float = 0.0
     rss_bytes: int = 0
+    data_busy_seconds: float = 0.0
 
 
 def thread_busy_seconds() -> float:

@@ -331,12 +331,14 @@ class ThroughputMonitor(Callback):
         self._summary_stats = None
         self.last_step = None
         self._mark = self._now()
+        self._busy_mark = thread_busy_seconds()
         if (timer := self._step_timer(trainer)) is not None:
             timer.pop_step()  # drop sections timed during set-up
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Start the first step's data wait here, not at the end of the previous epoch."""
         self._mark = self._now()
+        self._busy_mark = thread_busy_seconds()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Keep validation inside the training loop out of the next step's data wait."""
@@ -352,6 +354,7 @@ class ThroughputMonitor(Callback):
         self._after_backward = False
         self._mark = now
         self._start_time, self._busy_start = time.time(), thread_busy_seconds()
+        self._data_busy = self._busy_start - self._busy_mark
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         """Close a forward section."""
@@ -380,8 +383,9 @@ class ThroughputMonitor(Callback):
         seconds = now - self._step_start
         samples = self._batch_size(batch)
         self._steps += 1
+        self._busy_mark = thread_busy_seconds()
         self.last_step = StepRecord(self._steps, self._start_time, seconds, samples, sections,
-                                    thread_busy_seconds() - self._busy_start, rss_bytes())
+                                    self._busy_mark - self._busy_start, rss_bytes(), self._data_busy)
         self._window.add(seconds, sections, samples)
         if self._measured is not None:
             self._measured.add(seconds, sections, samples)

@@ -6,29 +6,33 @@ from lightning_dlrover.advisor.detectors import OOMForecaster, RankWindow, Strag
 
 
 def windows(first: int, slow: dict[int, tuple[float, float, float]], ranks: int = 4, last: int | None = None):
-    """Ranks' windows: (data, busy, blocked) seconds per step; others (1 ms, 10 ms, waiting for the slowest)."""
+    """Ranks' windows: (data wait, data busy, busy) seconds per step; others (1 ms, 1 ms, 10 ms)."""
     last = last or first + 9
-    parts = {r: slow.get(r, (0.001, 0.010, 0.0)) for r in range(ranks)}
-    step = max(d + b + k for d, b, k in parts.values())
-    return [RankWindow(r, 0, first, last, step, d, b) for r, (d, b, k) in parts.items()]
+    parts = {r: slow.get(r, (0.001, 0.001, 0.010)) for r in range(ranks)}
+    step = max(d + b for d, _, b in parts.values())
+    return [RankWindow(r, 0, first, last, step, d, b, data_busy_s=db) for r, (d, db, b) in parts.items()]
 
 
 def test_compute_straggler_named_after_patience_windows_not_the_waiting_ranks():
     detector = StragglerDetector(threshold=1.5, patience=2)
     assert detector.update(windows(1, {})) == []
-    assert detector.update(windows(11, {2: (0.001, 0.030, 0.0)})) == []  # first slow window
-    [named] = detector.update(windows(21, {2: (0.001, 0.030, 0.0)}))
+    assert detector.update(windows(11, {2: (0.001, 0.001, 0.030)})) == []  # first slow window
+    [named] = detector.update(windows(21, {2: (0.001, 0.001, 0.030)}))
     assert (named.rank, named.cause, named.since_step, named.named_at_step) == (2, "compute", 11, 30)
-    assert named.ratio == pytest.approx(31 / 11) and named.excess_ms == pytest.approx(20)
-    assert detector.update(windows(31, {2: (0.001, 0.030, 0.0)})) == []  # named once
+    assert named.ratio == pytest.approx(31 / 11) and named.excess_ms == pytest.approx(20)  # busy + data busy
+    assert detector.update(windows(31, {2: (0.001, 0.001, 0.030)})) == []  # named once
     detector.update(windows(41, {}))
     assert 2 not in detector.named  # recovered
 
 
 def test_data_wait_straggler_and_two_ranks():
     detector = StragglerDetector(patience=1)
-    [named] = detector.update(windows(1, {1: (0.040, 0.010, 0.0)}, ranks=2))
+    [named] = detector.update(windows(1, {1: (0.040, 0.030, 0.010)}, ranks=2))  # making batches itself
     assert (named.rank, named.cause) == (1, "data wait")
+    [named] = StragglerDetector(patience=1).update(windows(1, {1: (0.040, 0.001, 0.010)}, ranks=2))  # storage
+    assert (named.rank, named.cause, round(named.excess_ms)) == (1, "data wait", 39)
+    waiting = windows(1, {r: (0.040, 0.001, 0.010) for r in range(4)})  # all wait alike (e.g. for a late rank)
+    assert StragglerDetector(patience=1).update(waiting) == []
 
 
 def test_communication_bound_job_reported_once_not_blamed_on_a_rank():

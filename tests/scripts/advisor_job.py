@@ -63,6 +63,7 @@ class KnobLoader:
                  hot: list[int]) -> None:
         self.sizes, self.rank, self.world, self.seed, self.hot = sizes, rank, world, seed, hot
         self.batch, self.workers = batch, workers
+        self.slow: tuple[int, int, float] | None = None  # (rank, from batch, seconds): slow storage on one rank
 
     def __len__(self) -> int:
         return 10**6
@@ -77,6 +78,8 @@ class KnobLoader:
                                 multiprocessing_context="fork" if workers else None)
             for dense, ids, labels in stream:
                 index += 1
+                if self.slow is not None and self.rank == self.slow[0] and index > self.slow[1]:
+                    time.sleep(self.slow[2])
                 yield multi_hot_batch(dense, ids, labels, self.hot) if max(self.hot) > 1 else make_batch(dense, ids, labels)
                 if (self.batch, self.workers) != (batch, workers):
                     break
@@ -167,7 +170,7 @@ class GridSweep(pl.Callback):
 
 class SlowRank(pl.Callback):
     """From step ``start`` on, rank ``rank`` burns ``ms`` of CPU in every forward (a slower machine) or, with
-    ``sleep``, sleeps that long before fetching its next batch (slow storage)."""
+    ``sleep``, its loader sleeps that long before each batch (slow storage)."""
 
     def __init__(self, rank: int, start: int, ms: float, sleep: bool) -> None:
         self.rank, self.start, self.seconds, self.sleep = rank, start, ms / 1000, sleep
@@ -182,28 +185,40 @@ class SlowRank(pl.Callback):
             while time.thread_time() < end:
                 a = (a @ a).tanh_()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._slow(trainer) and self.sleep:
-            time.sleep(self.seconds)
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.sleep:
+            trainer.train_dataloader.slow = (self.rank, self.start, self.seconds)
 
 
 class Leak(pl.Callback):
-    """From step ``start`` on, every rank keeps ``mb`` MiB more per step (a growing cache); rank 0 prints the step at
-    which the node's training memory first reaches ``limit`` bytes and stops the job a few steps later."""
+    """From step ``start`` on, every rank keeps ``mb`` MiB more per step (a growing cache). The node's memory limit
+    is its training memory at step ``start`` plus ``headroom`` bytes (also given to the advisor's forecast, so that
+    the test need not fill the machine); rank 0 prints the step at which the node first reaches it and stops the
+    job a few steps later."""
 
-    def __init__(self, mb: float, start: int, limit: float | None) -> None:
-        self.bytes, self.start, self.limit, self.kept, self.crossed = int(mb * 2**20), start, limit, [], None
+    def __init__(self, mb: float, start: int, headroom: float | None, advisor: ResourceAdvisor | None) -> None:
+        self.bytes, self.start, self.headroom, self.advisor = int(mb * 2**20), start, headroom, advisor
+        self.kept, self.crossed, self.limit = [], None, None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step >= self.start:
             self.kept.append(torch.ones(self.bytes // 4, dtype=torch.float32))
-        if self.limit is None:
+        if self.headroom is None:
             return
+        from lightning_dlrover.advisor.runtime import children_rss
         from lightning_dlrover.monitor.steps import rss_bytes
 
-        total = torch.tensor([float(rss_bytes())], dtype=torch.float64)
+        total = torch.tensor([float(rss_bytes() + children_rss())], dtype=torch.float64)
         if trainer.world_size > 1:
             dist.all_reduce(total)
+        if self.limit is None and trainer.global_step >= self.start:
+            self.limit = total.item() + self.headroom
+            if trainer.is_global_zero:
+                print(f"LEAK_LIMIT bytes={self.limit} step={trainer.global_step}", flush=True)
+            if self.advisor is not None:
+                self.advisor.oom.limit = self.limit
+        if self.limit is None:
+            return
         if self.crossed is None and total.item() >= self.limit:
             self.crossed = trainer.global_step
             if trainer.is_global_zero:
@@ -242,7 +257,7 @@ def main() -> None:
     p.add_argument("--slow-sleep", action="store_true")
     p.add_argument("--leak-mb", type=float, default=0.0)
     p.add_argument("--leak-from", type=int, default=5)
-    p.add_argument("--memory-limit-mb", type=float, default=None, help="the advisor's (and Leak's) node memory limit")
+    p.add_argument("--headroom-mb", type=float, default=None, help="node memory limit: memory at --leak-from + this")
     args = p.parse_args()
 
     pl.seed_everything(args.seed)
@@ -273,14 +288,15 @@ def main() -> None:
     callbacks.append(knobs)
     if args.slow_rank is not None:
         callbacks.append(SlowRank(args.slow_rank, args.slow_from, args.slow_ms, args.slow_sleep))
-    limit = int(args.memory_limit_mb * 2**20) if args.memory_limit_mb else None
-    if args.leak_mb:
-        callbacks.append(Leak(args.leak_mb, args.leak_from, limit))
+    advisor = None
     if args.advisor:
-        callbacks.append(ResourceAdvisor(
+        advisor = ResourceAdvisor(
             profile_steps=args.profile_steps, probe_steps=args.probe_steps, apply=args.apply, history=args.history,
-            check_every_n_steps=args.check_every, memory_limit_bytes=limit,
-            search=json.loads(args.search) if args.search else None))
+            check_every_n_steps=args.check_every, search=json.loads(args.search) if args.search else None)
+        callbacks.append(advisor)
+    if args.leak_mb:
+        headroom = args.headroom_mb * 2**20 if args.headroom_mb else None
+        callbacks.append(Leak(args.leak_mb, args.leak_from, headroom, advisor))
     if args.sweep:
         segments = [tuple(map(int, s.split(":"))) for s in args.sweep.split(",")]
         callbacks.append(GridSweep(segments, knobs, monitor, args.settle, args.measure, args.out, args.devices))
