@@ -115,8 +115,6 @@ class RuntimeWatch:
         if rank != 0:
             return
         windows = [w for w, _ in gathered if w is not None]
-        if os.environ.get("ADVISOR_DEBUG"):
-            print("WIN", [(w.rank, w.first_step, round(1000 * w.step_s, 1), round(1000 * w.data_s, 1), round(1000 * w.data_busy_s, 1), round(1000 * w.busy_s, 1)) for w in windows], flush=True)
         if len(windows) == len(gathered):
             for s in self.stragglers.update(windows):
                 self.report(s.message(), "straggler", step, dict(straggler_rank=s.rank, cause=s.cause, ratio=s.ratio,
