@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dlrover.advisor import ResourceAdvisor
 from lightning_dlrover.fault import FaultInjector, ParityConfig, elastic_trainer_args
 from lightning_dlrover.monitor import StateDigest, ThroughputMonitor
 from lightning_dlrover.strategy import DLRoverStrategy, TableConstraint
@@ -13,6 +14,7 @@ __all__ = [
     "DLRoverStrategy",
     "FaultInjector",
     "ParityConfig",
+    "ResourceAdvisor",
     "StateDigest",
     "TableConstraint",
     "ThroughputMonitor",

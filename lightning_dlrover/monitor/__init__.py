@@ -2,6 +2,7 @@
 
 from lightning_dlrover.monitor.digest import StateDigest, state_digest, training_state_digest
 from lightning_dlrover.monitor.events import Event, emit, read_events
+from lightning_dlrover.monitor.steps import StepRecord
 from lightning_dlrover.monitor.throughput import RankThroughput, StepTimer, ThroughputMonitor, ThroughputSummary
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "state_digest",
     "RankThroughput",
     "StateDigest",
+    "StepRecord",
     "StepTimer",
     "ThroughputMonitor",
     "ThroughputSummary",

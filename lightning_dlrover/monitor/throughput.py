@@ -34,6 +34,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_dlrover.monitor.steps import StepRecord, rss_bytes, thread_busy_seconds
+
 try:
     import resource
 except ImportError:  # Windows
@@ -263,7 +265,8 @@ class ThroughputMonitor(Callback):
     ``time/step_ms``, ``time/<section>_ms`` for each observed section (see the module docstring),
     ``system/cpu_percent``, ``system/rss_mb``, ``system/peak_rss_mb`` and, on CUDA,
     ``system/cuda_max_allocated_mb``; rank 0's values except for the global throughput, averaged over
-    the steps since the previous log. At the end of training the per-rank statistics after warm-up are
+    the steps since the previous log. Every rank's latest step is :attr:`last_step` (a
+    :class:`~lightning_dlrover.monitor.steps.StepRecord`). At the end of training the per-rank statistics after warm-up are
     gathered into :attr:`summary_stats` on every rank and, if ``summary`` is set, printed on rank 0 as
     a table.
 
@@ -307,6 +310,7 @@ class ThroughputMonitor(Callback):
         self._mark = 0.0
         self._sections: dict[str, float] | None = None
         self._between: dict[str, float] = {}  # strategy sections timed since the last step ended
+        self.last_step: StepRecord | None = None  # this rank's latest step, for ResourceAdvisor
 
     @property
     def summary_stats(self) -> ThroughputSummary | None:
@@ -325,13 +329,16 @@ class ThroughputMonitor(Callback):
         self._step_seconds = array("d")
         self._sections = None
         self._summary_stats = None
+        self.last_step = None
         self._mark = self._now()
+        self._busy_mark = thread_busy_seconds()
         if (timer := self._step_timer(trainer)) is not None:
             timer.pop_step()  # drop sections timed during set-up
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Start the first step's data wait here, not at the end of the previous epoch."""
         self._mark = self._now()
+        self._busy_mark = thread_busy_seconds()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Keep validation inside the training loop out of the next step's data wait."""
@@ -346,6 +353,8 @@ class ThroughputMonitor(Callback):
         self._sections = {"data_wait": max(0.0, now - self._mark - sum(self._between.values()))}
         self._after_backward = False
         self._mark = now
+        self._start_time, self._busy_start = time.time(), thread_busy_seconds()
+        self._data_busy = self._busy_start - self._busy_mark
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         """Close a forward section."""
@@ -374,6 +383,9 @@ class ThroughputMonitor(Callback):
         seconds = now - self._step_start
         samples = self._batch_size(batch)
         self._steps += 1
+        self._busy_mark = thread_busy_seconds()
+        self.last_step = StepRecord(self._steps, self._start_time, seconds, samples, sections,
+                                    self._busy_mark - self._busy_start, rss_bytes(), self._data_busy)
         self._window.add(seconds, sections, samples)
         if self._measured is not None:
             self._measured.add(seconds, sections, samples)

@@ -32,11 +32,14 @@ class TableConstraint:
         sharding_types: sharding types the planner may choose for this table.
         compute_kernels: compute kernels it may choose (``fused`` keeps the optimizer in the backward pass).
         min_partition: smallest column shard for column-wise sharding.
+        pooling_factors: ids per sample the table receives, one value per input feature, for the planner's cost
+            model (TorchRec assumes 1.0); ``ResourceAdvisor`` measures them (see its re-plan advice).
     """
 
     sharding_types: list[str] | None = None
     compute_kernels: list[str] | None = None
     min_partition: int | None = None
+    pooling_factors: list[float] | None = None
 
 
 def check_choices(field: str, values: list[str] | None, allowed: list[str]) -> None:
@@ -158,8 +161,9 @@ def build_constraints(
         kernels = override.compute_kernels or [compute_kernel]
         if "data_parallel" in types and "dense" not in kernels:
             kernels = [*kernels, "dense"]  # data-parallel tables only run the dense kernel
+        extra = {"pooling_factors": list(override.pooling_factors)} if override.pooling_factors else {}
         constraints[table] = ParameterConstraints(
-            sharding_types=types, compute_kernels=kernels, min_partition=override.min_partition
+            sharding_types=types, compute_kernels=kernels, min_partition=override.min_partition, **extra
         )
     return constraints
 

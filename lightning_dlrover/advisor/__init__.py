@@ -1,0 +1,29 @@
+"""Resource advisor (DLRover-RM): a fitted resource-performance model, job history, warm start, recommendations,
+stragglers, out-of-memory forecasts, hot ranks and sharding re-plans."""
+
+from lightning_dlrover.advisor.callback import ResourceAdvisor
+from lightning_dlrover.advisor.control import BatchSizeControl, DataWorkersControl
+from lightning_dlrover.advisor.detectors import OOMForecaster, StragglerDetector
+from lightning_dlrover.advisor.history import JobHistory
+from lightning_dlrover.advisor.model import JobShape, Observation, PerformanceModel
+from lightning_dlrover.advisor.recommend import Recommendation, recommend
+from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
+from lightning_dlrover.advisor.signature import JobSignature
+
+__all__ = [
+    "BatchSizeControl",
+    "DataWorkersControl",
+    "JobHistory",
+    "JobShape",
+    "JobSignature",
+    "Machine",
+    "OOMForecaster",
+    "Observation",
+    "PerformanceModel",
+    "Recommendation",
+    "ResourceAdvisor",
+    "ResourceConfig",
+    "SearchSpace",
+    "StragglerDetector",
+    "recommend",
+]

@@ -1,0 +1,167 @@
+"""Stage 3 of one running job: per-rank windows of measured steps gathered every few steps, fed to the detectors,
+and the measured per-table load behind hot ranks and the re-plan advice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import os
+import time
+
+import psutil
+import torch.distributed as dist
+
+from lightning_dlrover.advisor.detectors import OOMForecaster, RankWindow, StragglerDetector, hot_ranks
+from lightning_dlrover.advisor.replan import LookupCounter, ReplanAdvice, rank_loads, replan
+from lightning_dlrover.advisor.signature import TableSpec
+
+#: Called with (message, event kind or None, global step, event fields) for every finding.
+Report = Callable[[str, "str | None", int, dict[str, Any]], None]
+
+
+def gather(world_size: int, value: Any) -> list[Any]:
+    """Every rank's ``value`` (a collective when ``world_size > 1``)."""
+    if world_size == 1 or not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def broadcast(world_size: int, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if world_size == 1 or not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def children_rss() -> float:
+    """Resident memory of this process's children (data workers)."""
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def cpu_snapshot(machine_wide: bool) -> tuple[float, float, float]:
+    """``(job, busy, wall)``: CPU seconds of this process and its children (data workers), CPU seconds the machine's
+    cores this process may use were busy (``machine_wide`` only, else 0), and ``time.perf_counter()``. Differences
+    of two snapshots give the cores other programs took: ``(busy - job of every rank on the node) / wall``."""
+    proc = psutil.Process()
+    times = proc.cpu_times()
+    job = times.user + times.system
+    for child in proc.children(recursive=True):
+        try:
+            t = child.cpu_times()
+            job += t.user + t.system
+        except psutil.Error:
+            pass
+    busy = 0.0
+    if machine_wide:
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        for cpu, t in enumerate(psutil.cpu_times(percpu=True)):
+            if allowed is None or cpu in allowed:
+                busy += t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+    return job, busy, time.perf_counter()
+
+
+def background_cores(stats: Sequence[Sequence[float]], ranks_per_node: int, cores: float) -> float:
+    """Cores other programs kept busy, mean over nodes, from every rank's ``[job cpu s, busy s, wall s]`` deltas
+    (busy measured by each node's first rank only); within ``[0, cores - 0.25]``."""
+    values = []
+    for node in range(0, len(stats), ranks_per_node):
+        group = stats[node : node + ranks_per_node]
+        wall = group[0][2]
+        if wall > 0:
+            values.append((group[0][1] - sum(s[0] for s in group)) / wall)
+    return min(max(sum(values) / len(values), 0.0), cores - 0.25) if values else 0.0
+
+
+class RuntimeWatch:
+    """Collects this rank's steps, and at every :meth:`check` gathers all ranks' windows and runs the detectors
+    (findings are reported on rank 0)."""
+
+    def __init__(self, stragglers: StragglerDetector, oom: OOMForecaster, hot_factor: float,
+                 tables: Sequence[TableSpec], features: Mapping[str, Sequence[str]],
+                 placement: Mapping[str, list], report: Report) -> None:
+        self.stragglers, self.oom, self.hot_factor = stragglers, oom, hot_factor
+        self.tables, self.features, self.placement, self.report = tuple(tables), features, placement, report
+        rows = {t.name: (t.rows, list(features.get(t.name, [t.name]))) for t in tables}
+        self.lookups = LookupCounter(rows) if rows else None
+        self.global_counts = None
+        self._steps: list[tuple[int, float, float, float, float, float]] = []  # step, s, data, busy, rss, data busy
+        self._hot_reported: set[int] = set()
+
+    def add_step(self, step: int, seconds: float, data: float, busy: float, rss: float, data_busy: float) -> None:
+        self._steps.append((step, seconds, data, busy, rss, data_busy))
+
+    def check(self, rank: int, ranks_per_node: int, world_size: int, step: int) -> None:
+        """Gathers every rank's window since the last check (collective) and runs the detectors on rank 0."""
+        steps, self._steps = self._steps, []
+        extra = children_rss()
+        n = max(len(steps), 1)
+        local = RankWindow(rank, rank // ranks_per_node, steps[0][0] if steps else step, step,
+                           sum(s[1] for s in steps) / n, sum(s[2] for s in steps) / n, sum(s[3] for s in steps) / n,
+                           tuple((s[0], s[4] + extra) for s in steps), sum(s[5] for s in steps) / n) if steps else None
+        counts = self.lookups.counts.clone() if self.lookups is not None else None
+        gathered = gather(world_size, (local, counts))
+        if rank != 0:
+            return
+        windows = [w for w, _ in gathered if w is not None]
+        if len(windows) == len(gathered):
+            for s in self.stragglers.update(windows):
+                self.report(s.message(), "straggler", step, dict(straggler_rank=s.rank, cause=s.cause, ratio=s.ratio,
+                                                                  excess_ms=s.excess_ms, since_step=s.since_step))
+            if (comm := self.stragglers.communication_bound(windows)) is not None:
+                step_s = max(w.step_s for w in windows)
+                self.report(f"communication-bound: even the slowest rank is blocked in collectives {1000 * comm:.1f} ms "
+                            f"of each {1000 * step_s:.1f} ms step (no single rank is to blame; fewer ranks or nodes, or "
+                            "a faster interconnect)", "straggler", step,
+                            dict(straggler_rank=-1, cause="communication", ratio=comm / step_s, excess_ms=1000 * comm,
+                                 since_step=windows[0].first_step))
+        if windows:
+            for f in self.oom.update(windows, max(w.step_s for w in windows)):
+                self.report(f.message(), "oom_forecast", step, dict(
+                    node=f.node, rss_bytes=f.rss_bytes, limit_bytes=f.limit_bytes, steps_to_oom=f.steps_to_oom,
+                    growth_bytes_per_step=f.growth_bytes_per_step, seconds_to_oom=f.seconds_to_oom))
+        if self.lookups is not None and gathered[0][1] is not None:
+            self.global_counts = sum(c for _, c in gathered)
+            if self.placement:
+                self._hot_ranks(world_size, step)
+
+    def measured_tables(self) -> tuple[TableSpec, ...]:
+        """The tables with their measured pooling factors (1.0 where nothing was measured)."""
+        if self.lookups is None or self.global_counts is None:
+            return self.tables
+        factors = self.lookups.pooling_factors(self.global_counts)
+        return tuple(replace(t, pooling_factor=factors.get(t.name, t.pooling_factor)) for t in self.tables)
+
+    def _hot_ranks(self, world_size: int, step: int) -> None:
+        tables = {t.name: t for t in self.measured_tables()}
+        loads = rank_loads(self.placement, tuple(tables.values()), world_size)
+        per_rank: dict[int, list[tuple[str, float]]] = {}
+        for name, shards in self.placement.items():
+            if name in tables:
+                for rank, *_ in shards:
+                    per_rank.setdefault(rank, []).append((name, tables[name].pooling_factor * tables[name].dim))
+        for hot in hot_ranks(loads, per_rank, self.hot_factor):
+            if hot.rank not in self._hot_reported:
+                self._hot_reported.add(hot.rank)
+                self.report(hot.message(), "hot_rank", step, dict(hot_rank=hot.rank, share=hot.share, ratio=hot.ratio,
+                                                                  tables=list(hot.tables[:5])))
+
+    def replan(self, world_size: int, local_world_size: int, batch_per_rank: int, sharding_types: Sequence[str],
+               device: str) -> ReplanAdvice | None:
+        """Re-plan advice from the measured pooling factors (``None`` before any check or without a plan)."""
+        if self.lookups is None or not self.placement or self.global_counts is None:
+            return None
+        return replan(self.measured_tables(), self.features, world_size, local_world_size, batch_per_rank,
+                      sharding_types or ("table_wise",), device=device, current_placement=self.placement,
+                      hot_shares=self.lookups.hot_shares(self.global_counts))
