@@ -73,6 +73,8 @@ def test_shrink_onto_the_survivors_then_grow_when_a_node_rejoins(workdir):
     shrink, grow = summary["recovered"].splitlines()
     assert summary["restored state equals the fault-free state at step 6"] == "yes"  # re-sharded onto 2 ranks
     assert "recovered step 6 of a 4-rank job onto 2 ranks: decoded lost ranks [2, 3]" in shrink
-    assert re.search(r"recovered step \d+ of a 2-rank job onto 4 ranks: no rank lost", grow), grow
+    # Growing, the agents SIGTERM every worker; one the launcher kills before it spills is decoded from parity.
+    assert re.search(r"recovered step \d+ of a 2-rank job onto 4 ranks: (no rank lost|decoded lost ranks \[\d\])",
+                     grow), grow
     assert summary["steps lost"] == "0"
     assert summary["job finished"] == "yes"
