@@ -1,4 +1,5 @@
-"""``lightning-dlrover``: ``fit`` (and the other LightningCLI subcommands) for the DLRM, ``chaos``, a node-loss drill, and ``advise``, resource advice."""
+"""``lightning-dlrover``: ``fit`` (and the other LightningCLI subcommands) for the DLRM, ``chaos``, a node-loss drill, ``launch``, a launcher that recovers lost ranks in process, and ``advise``,
+resource advice."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ def main(args: list[str] | None = None) -> None:
         from lightning_dlrover.cli.chaos import main as chaos
 
         sys.exit(chaos(args[1:]))
+    if args[:1] == ["launch"]:
+        from lightning_dlrover.cli.launch import main as launch
+
+        sys.exit(launch(args[1:]))
     if args[:1] == ["advise"]:
         from lightning_dlrover.cli.advise import main as advise
 

@@ -37,6 +37,12 @@ KINDS: dict[str, tuple[str, ...]] = {
     "fallback": ("why", "checkpoint", "failed_step", "steps_lost", "load_s"),  # checkpoint None: from step 0
     "resumed": (),  # the first step committed after a restore or fallback
     "digest": ("digest", "final"),
+    # In-process recovery (lightning-dlrover launch): the launcher's plan, each rank's recovery, the fallbacks
+    "replacement_planned": ("generation", "lost_ranks", "replacements", "cold"),
+    "recovered_in_process": ("survivor", "lost_ranks", "decode_s", "reshard_s", "lost_at", "failed_at",
+                             "connected_at", "restored_at"),  # every rank; times are Unix seconds
+    "in_process_refused": ("why", "error"),
+    "restarting_all": ("restarts", "failed_ranks"),
     # ResourceAdvisor (step: the global step it was decided at)
     "advice": ("stage", "current", "recommended", "predicted_gain", "applied", "restart"),
     "straggler": ("straggler_rank", "cause", "ratio", "excess_ms", "since_step"),
