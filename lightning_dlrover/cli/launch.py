@@ -133,15 +133,17 @@ class Launcher:
             failed = [w for w in self.workers if w.process.poll() not in (None, 0)]
             if failed:
                 recent = recovering_since is not None and time.time() - recovering_since < self.args.recovery_window
-                if not recent and not self.args.no_in_process:
+                survivors = [w for w in self.workers if w.rank is not None and w.process.poll() is None]
+                if survivors and not recent and not self.args.no_in_process:
                     self.replace(failed)
                     recovering_since = time.time()
                     continue
                 if self.restarts >= self.args.max_restarts:
                     return 1
                 emit("restarting_all", restarts=self.restarts + 1, failed_ranks=[w.rank for w in failed],
-                     message=f"ranks {[w.rank for w in failed]} failed during in-process recovery (or it is off): "
-                     "restarting every worker")
+                     message=f"ranks {[w.rank for w in failed]} failed "
+                     + ("with no survivor" if not survivors else "during in-process recovery" if recent else "")
+                     + ": restarting every worker")
                 self.stop()
                 self.restarts += 1
                 self.start()

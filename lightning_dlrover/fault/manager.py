@@ -311,8 +311,8 @@ class FaultManager:
     def on_exception(self, error: BaseException) -> None:
         """Spills this rank's committed state to shared memory for the restarted job (under ``torchrun``; with parity).
         The step in flight is rolled back first; a spill needs no other rank."""
-        if self._host is None or self._spill_dir is None or self.coded is None:
-            return
+        if self._host is None or self._spill_dir is None or self.coded is None or self.committed_step < 0:
+            return  # nothing committed yet (the failure came during set-up): a spill would only mislead a restart
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher SIGTERMs a failed node's workers
         stopped = time.time()
         try:

@@ -57,6 +57,8 @@ class ReconfigurableGroup(dist.ProcessGroup):
                  joining: bool = False, generation: int = 0) -> None:
         super().__init__(rank, world_size)
         self._store, self._timeout = store, timeout
+        #: Full launches of the job before this one (the launcher's restarts): each has its own store keys.
+        self.launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         self.generation = generation
         self.joining = joining
         self._inner: dist.ProcessGroup | None = None
@@ -65,7 +67,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         self._connect(generation)
 
     def _connect(self, generation: int) -> None:
-        store = dist.PrefixStore(f"dlrover_pg/{generation}/", self._store)
+        store = dist.PrefixStore(f"dlrover_pg/{self.launch}/{generation}/", self._store)
         inner = dist.ProcessGroupGloo(store, self.rank(), self.size(), self._timeout)
         with self._lock:
             self._inner, self.generation = inner, generation
@@ -86,7 +88,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
         return _now() - started
 
     def getBackendName(self) -> str:
-        return BACKEND
+        return "gloo"  # what runs the collectives; torch and TorchRec pick CPU code paths by this name
 
     @property
     def inner(self) -> dist.ProcessGroup:

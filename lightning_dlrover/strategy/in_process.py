@@ -48,6 +48,7 @@ def install(trainer: pl.Trainer, host: Host, manager: FaultManager, recovery: In
         report = recovery.recover(host, error)
         if report is None:
             return False
+        glue.reset_inner_ddp(trainer.strategy.model)
         resume(report)
         return True
 

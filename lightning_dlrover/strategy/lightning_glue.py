@@ -105,3 +105,10 @@ def load_trainer_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     finally:
         connector._loaded_checkpoint = {}
     trainer.fit_loop._combined_loader = None  # set up again by the next run, at the restored position
+
+
+def reset_inner_ddp(model: nn.Module) -> None:
+    """Forgets a training step that failed part-way through DDP's backward (its reducer would refuse the next)."""
+    ddp = inner_ddp(model)
+    if ddp is not None:
+        ddp.reducer._reset_state()
