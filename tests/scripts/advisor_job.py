@@ -30,17 +30,18 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 class _Batches(IterableDataset):
     """Global batches ``start + i * step`` of ``source`` (for worker ``i`` of ``step``), sliced for ``rank``."""
 
-    def __init__(self, source, start: int, rank: int, world: int, hot: list[int]) -> None:
-        self.source, self.start, self.rank, self.world, self.hot = source, start, rank, world, hot
+    def __init__(self, source, global_batch: int, start: int, rank: int, world: int, hot: list[int]) -> None:
+        self.source, self.global_batch, self.start, self.rank, self.world = source, global_batch, start, rank, world
+        self.hot = hot
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         first, step = (self.start, 1) if info is None else (self.start + info.id, info.num_workers)
-        per = self.source.global_batch_size // self.world
-        rows = slice(self.rank * per, (self.rank + 1) * per)
-        for index in range(first, len(self.source), step):
-            dense, ids, labels = self.source.global_batch(index)
-            yield dense[rows], ids[rows], labels[rows]
+        batch = self.global_batch
+        per = batch // self.world
+        for index in range(first, len(self.source) // batch, step):
+            begin = index * batch + self.rank * per
+            yield self.source.rows(begin, begin + per)
 
 
 def multi_hot_batch(dense, ids, labels, hot: list[int]) -> Batch:
@@ -72,8 +73,8 @@ class KnobLoader:
         index = 0
         while True:
             batch, workers = self.batch, self.workers
-            source = SyntheticCriteo(self.sizes, batch * self.world, 10**6, seed=self.seed)
-            data = _Batches(source, index, self.rank, self.world, self.hot)
+            source = SyntheticCriteo(self.sizes, batch * self.world * 10**6, seed=self.seed)
+            data = _Batches(source, batch * self.world, index, self.rank, self.world, self.hot)
             stream = DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None,
                                 multiprocessing_context="fork" if workers else None)
             for dense, ids, labels in stream:
