@@ -38,7 +38,7 @@ class MalformedLine(ValueError):
     """A Criteo TSV line that cannot be parsed; ``path`` and ``line`` (1-based) say where."""
 
     def __init__(self, path: str, line: int, reason: str, text: bytes = b"") -> None:
-        self.path, self.line, self.reason = path, line, reason
+        self.path, self.line, self.reason, self.text = path, line, reason, text
         snippet = f": {text[:80]!r}" if text else ""
         super().__init__(f"{path}:{line}: malformed Criteo line ({reason}){snippet}. Fix or remove the line, or "
                          f"set on_error='skip' to drop malformed lines and count them.")
