@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import multiprocessing.queues
+import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -193,7 +195,8 @@ def _transform(num_embeddings: Sequence[int], user_transforms: Sequence[UserTran
     if chunk.error is not None:
         return chunk
     t0 = time.perf_counter()
-    chunk.payload = transform(chunk.payload, num_embeddings, user_transforms)
+    # numpy, not tensors, between processes: tensors would travel as shared-memory handles (slower for these sizes).
+    chunk.payload = tuple(t.numpy() for t in transform(chunk.payload, num_embeddings, user_transforms))
     chunk.busy["transform"] = time.perf_counter() - t0
     return chunk
 
@@ -204,9 +207,9 @@ def _assemble(chunks: list[_Chunk]) -> Delivered:
         return Delivered(None, chunks[0].batch_start, chunks[0].batch_size, {}, [], 0, error)  # type: ignore[arg-type]
     t0 = time.perf_counter()
     if len(chunks) == 1:
-        dense, ids, labels = chunks[0].payload
+        dense, ids, labels = (torch.from_numpy(a) for a in chunks[0].payload)
     else:
-        dense, ids, labels = (torch.cat(parts) for parts in zip(*(c.payload for c in chunks)))
+        dense, ids, labels = (torch.from_numpy(np.concatenate(parts)) for parts in zip(*(c.payload for c in chunks)))
     batch = make_batch(dense, ids, labels)
     busy = {s: sum(c.busy.get(s, 0.0) for c in chunks) for s in STAGES}
     busy["assemble"] = time.perf_counter() - t0
@@ -221,22 +224,55 @@ def _bind(fn: Any, *args: Any) -> Any:
     return functools.partial(fn, *args)
 
 
-def shutdown_nodes(node: Any) -> None:
-    """Stops every thread and worker process of a ``torchdata.nodes`` graph (waits for them, kills laggards)."""
-    seen: set[int] = set()
-    stack = [node]
+def _walk(node: Any) -> list[Any]:
+    """Every object of a ``torchdata.nodes`` graph reachable through ``_it`` and ``source``."""
+    found, stack, seen = [], [node], set()
     while stack:
         obj = stack.pop()
         if obj is None or id(obj) in seen:
             continue
         seen.add(id(obj))
+        found.append(obj)
+        stack.extend(getattr(obj, name, None) for name in ("_it", "source"))
+    return found
+
+
+def _processes(objs: list[Any]) -> list[multiprocessing.process.BaseProcess]:
+    return [w for obj in objs for w in getattr(obj, "_workers", []) or []
+            if isinstance(w, multiprocessing.process.BaseProcess)]
+
+
+def shutdown_nodes(node: Any) -> None:
+    """Stops every thread and worker process of a ``torchdata.nodes`` graph: all stop events first, worker
+    processes given a second to exit (then terminated), then the threads joined."""
+    objs = _walk(node)
+    for obj in objs:
+        for name in ("_stop", "_mp_stop"):
+            event = getattr(obj, name, None)
+            if event is not None and hasattr(event, "set"):
+                event.set()
+    # A worker exits only once its results are flushed into the pipe: drain the result queues meanwhile.
+    queues = [q for obj in objs if isinstance(q := getattr(obj, "_intermed_q", None), multiprocessing.queues.Queue)]
+    processes = _processes(objs)
+    deadline = time.monotonic() + 2.0
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        drained = False
+        for q in queues:
+            try:
+                q.get(timeout=0.005)
+                drained = True
+            except (queue.Empty, OSError, EOFError, ValueError):
+                pass
+        if not drained:
+            for process in processes:
+                process.join(timeout=0.005)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=2.0)
+    for obj in objs:
         if hasattr(obj, "_shutdown"):
             obj._shutdown()
-        for worker in getattr(obj, "_workers", []) or []:
-            if isinstance(worker, multiprocessing.process.BaseProcess) and worker.is_alive():
-                worker.terminate()
-                worker.join(timeout=2.0)
-        stack.extend(getattr(obj, name, None) for name in ("_it", "source"))
 
 
 def build_graph(source: CriteoTSV, rank: int, world_size: int, batch_size: int, start: int, config: PipelineConfig,
@@ -323,16 +359,7 @@ class PipelinedLoader(ResumableLoader):
 
     def worker_pids(self) -> list[int]:
         """Process ids of the live stage worker processes."""
-        pids, stack, seen = [], [self._graph], set()
-        while stack:
-            obj = stack.pop()
-            if obj is None or id(obj) in seen:
-                continue
-            seen.add(id(obj))
-            pids += [w.pid for w in getattr(obj, "_workers", []) or []
-                     if isinstance(w, multiprocessing.process.BaseProcess) and w.is_alive()]
-            stack.extend(getattr(obj, name, None) for name in ("_it", "source"))
-        return pids
+        return [p.pid for p in _processes(_walk(self._graph)) if p.is_alive()] if self._graph is not None else []
 
     def close(self) -> None:
         """Stops the pipeline's threads and processes (a later iteration restarts them)."""
