@@ -412,3 +412,15 @@ class PipelinedLoader(ResumableLoader):
                 yield item.batch
         finally:
             self.close()
+
+
+def pipelined_loader(source: CriteoTSV, rank: int, world_size: int, global_batch_size: int,
+                     settings: dict[str, Any]) -> PipelinedLoader:
+    """A :class:`PipelinedLoader` from a settings dict (``data.pipeline`` of the data module): workers per stage,
+    ``prefetch``, and optionally ``chunk_rows`` and ``on_error``."""
+    settings = dict(settings)
+    extra = {k: settings.pop(k) for k in ("chunk_rows", "on_error") if k in settings}
+    unknown = set(settings) - {*STAGES, "prefetch"}
+    if unknown:
+        raise ValueError(f"data.pipeline has unknown keys {sorted(unknown)}; use {[*STAGES, 'prefetch', 'chunk_rows', 'on_error']}.")
+    return PipelinedLoader(source, rank, world_size, global_batch_size, PipelineConfig(**settings), **extra)
