@@ -4,15 +4,17 @@ Design (one decision per measurement window, a few seconds each):
 
 - **State**: the bottleneck, read from the last window: the consumer (``trainer``) when it waited for data
   less than 5% of the window, else the stage whose workers were busiest (utilisation = busy seconds per
-  worker-second); and the memory level (predicted pipeline memory under 50%, 80% or above of the budget).
+  worker-second); the idlest other stage that has a worker (the donor of a move); the memory level
+  (predicted pipeline memory under 50%, 80% or above of the budget); whether the CPU budget is spent.
 - **Actions**: add a worker to a stage, remove one, move one from a stage to another, prefetch +1 / -1, stay.
   Only actions whose result passes the guard are eligible: total workers within the CPU budget, prefetch
   within its limit, predicted memory within the memory budget (a hard limit, checked before a change).
 - **Reward**: relative change of delivered samples/s against the mean of the configuration the action left, minus
-  ``memory_penalty`` x (how far measured memory went above 80% of the budget, in units of the last 20%).
+  ``memory_penalty`` x (how far measured memory went above 80% of the budget, in units of the last 20%),
+  minus ``change_cost`` for any change (it costs a pipeline reset).
 - **Learning**: tabular Q-learning, ``Q(s,a) += alpha * (r + gamma * max Q(s',.) - Q(s,a))``, with a prior
   from the bottleneck (adding or moving a worker to the bottleneck starts at +0.2, at it from the idlest
-  stage +0.15, prefetch +1 when the consumer waits +0.05, removing from an idle stage +0.02, everything else
+  stage +0.15, prefetch +1 when the consumer waits +0.01, removing from an idle stage +0.02, everything else
   -0.05), so the first greedy choices are the sensible ones and exploration corrects the prior.
 - **Exploration**: epsilon-greedy, epsilon starting at ``epsilon`` and multiplied by ``decay`` each decision.
   An action that lost more than 3% is undone at the next decision (back to the best configuration), so
@@ -101,12 +103,12 @@ class RLTuner:
     def __init__(self, budget: Budget, start: PipelineConfig | None = None, epsilon: float = 0.3,
                  decay: float = 0.85, min_epsilon: float = 0.08, alpha: float = 0.5, gamma: float = 0.3,
                  patience: int = 4, min_gain: float = 0.03, max_decisions: int = 40, memory_penalty: float = 2.0,
-                 methods: dict[str, str] | None = None, seed: int = 0) -> None:
+                 change_cost: float = 0.02, methods: dict[str, str] | None = None, seed: int = 0) -> None:
         self.budget, self.guard = budget, MemoryGuard(budget, methods)
         self.start = start or PipelineConfig(1, 1, 1, 1, 2)
         self.epsilon, self.decay, self.min_epsilon = epsilon, decay, min_epsilon
         self.alpha, self.gamma, self.patience, self.min_gain = alpha, gamma, patience, min_gain
-        self.max_decisions, self.memory_penalty = max_decisions, memory_penalty
+        self.max_decisions, self.memory_penalty, self.change_cost = max_decisions, memory_penalty, change_cost
         self.rng = random.Random(seed)
         self.q: dict[tuple, dict[Action, float]] = {}
         self.means: dict[PipelineConfig, tuple[float, int]] = {}
@@ -129,18 +131,20 @@ class RLTuner:
             bottleneck = "trainer"
         else:
             bottleneck = max(STAGES, key=lambda s: obs.utilisation[s])
+        staffed = [s for s in STAGES if obs.config.workers[s] >= 1 and s != bottleneck]
+        idlest = min(staffed, key=lambda s: obs.utilisation[s]) if staffed else None
         level = self.guard.predict(obs.config) / self.budget.memory_bytes
-        return bottleneck, 0 if level < 0.5 else 1 if level < 0.8 else 2
+        full = obs.config.total_workers >= self.budget.cpus
+        return bottleneck, idlest, 0 if level < 0.5 else 1 if level < 0.8 else 2, full
 
     def _prior(self, state: tuple, action: Action, obs: Observation) -> float:
-        bottleneck = state[0]
-        idlest = min(STAGES, key=lambda s: obs.utilisation[s] if obs.config.workers[s] >= 1 else 9.0)
+        bottleneck, idlest = state[0], state[1]
         if bottleneck in STAGES and action == ("add", bottleneck):
             return 0.2
         if bottleneck in STAGES and action == ("move", idlest, bottleneck):
             return 0.15
         if action == ("prefetch", 1) and obs.wait_fraction > 0.05:
-            return 0.05
+            return 0.01
         if action[0] == "remove" and obs.utilisation[action[1]] < 0.3:
             return 0.02
         return 0.0 if action == ("stay",) else -0.05
@@ -166,6 +170,8 @@ class RLTuner:
             last_state, last_action, before = self._last
             over = max(0.0, obs.memory_bytes / self.budget.memory_bytes - 0.8) / 0.2
             reward = (obs.samples_per_s - before) / max(before, 1e-9) - self.memory_penalty * over
+            if last_action != ("stay",):
+                reward -= self.change_cost  # a change costs a pipeline reset
             target = reward + self.gamma * max(values.values())
             self.q[last_state][last_action] += self.alpha * (target - self.q[last_state][last_action])
         gained = obs.samples_per_s > previous_best * (1 + self.min_gain)
