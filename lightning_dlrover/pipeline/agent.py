@@ -14,10 +14,10 @@ Design (one decision per measurement window, a few seconds each):
   minus ``change_cost`` for any change (it costs a pipeline reset).
 - **Learning**: tabular Q-learning, ``Q(s,a) += alpha * (r + gamma * max Q(s',.) - Q(s,a))``, with a prior
   from the bottleneck (adding or moving a worker to the bottleneck starts at +0.2, at it from the idlest
-  stage +0.15, prefetch +1 when the consumer waits +0.01, removing from an idle stage +0.02, everything else
-  -0.05), so the first greedy choices are the sensible ones and exploration corrects the prior.
+  stage +0.15, prefetch +1 when the consumer waits +0.01, removing from an idle stage +0.02, staying +0.05
+  when the trainer is the bottleneck and 0 otherwise, everything else -0.05), so the first greedy choices are the sensible ones and exploration corrects the prior.
 - **Exploration**: epsilon-greedy, epsilon starting at ``epsilon`` and multiplied by ``decay`` each decision.
-  An action that lost more than 3% is undone at the next decision (back to the best configuration), so
+  An action that lost more than ``undo_below`` (5%) is undone at the next decision (back to the best configuration), so
   exploration costs one window at most.
 - **Stopping**: once epsilon is below ``min_epsilon`` (or after ``max_decisions``) and ``patience`` decisions
   in a row brought no gain above ``min_gain`` over the best mean, the agent applies the best configuration
@@ -103,12 +103,13 @@ class RLTuner:
     def __init__(self, budget: Budget, start: PipelineConfig | None = None, epsilon: float = 0.3,
                  decay: float = 0.85, min_epsilon: float = 0.08, alpha: float = 0.5, gamma: float = 0.3,
                  patience: int = 4, min_gain: float = 0.03, max_decisions: int = 40, memory_penalty: float = 2.0,
-                 change_cost: float = 0.02, methods: dict[str, str] | None = None, seed: int = 0) -> None:
+                 change_cost: float = 0.02, undo_below: float = 0.05, methods: dict[str, str] | None = None, seed: int = 0) -> None:
         self.budget, self.guard = budget, MemoryGuard(budget, methods)
         self.start = start or PipelineConfig(1, 1, 1, 1, 2)
         self.epsilon, self.decay, self.min_epsilon = epsilon, decay, min_epsilon
         self.alpha, self.gamma, self.patience, self.min_gain = alpha, gamma, patience, min_gain
         self.max_decisions, self.memory_penalty, self.change_cost = max_decisions, memory_penalty, change_cost
+        self.undo_below = undo_below
         self.rng = random.Random(seed)
         self.q: dict[tuple, dict[Action, float]] = {}
         self.means: dict[PipelineConfig, tuple[float, int]] = {}
@@ -147,7 +148,9 @@ class RLTuner:
             return 0.01
         if action[0] == "remove" and obs.utilisation[action[1]] < 0.3:
             return 0.02
-        return 0.0 if action == ("stay",) else -0.05
+        if action == ("stay",):
+            return 0.05 if bottleneck == "trainer" else 0.0  # the pipeline keeps up: little to gain, resets cost
+        return -0.05
 
     def _values(self, state: tuple, obs: Observation) -> dict[Action, float]:
         if state not in self.q:
@@ -190,7 +193,7 @@ class RLTuner:
             best = self.best
             return Decision(obs, best if best != obs.config else None,
                             f"converged after {self.decisions} decisions: best {best.short()}", self.guard.predict(best))
-        if reward is not None and reward < -0.03 and last_action != ("stay",) and self.best != obs.config:
+        if reward is not None and reward < -self.undo_below and last_action != ("stay",) and self.best != obs.config:
             self._last = None
             return Decision(obs, self.best, f"undo: {reward:+.1%} after {self._describe(last_action)}",
                             self.guard.predict(self.best))

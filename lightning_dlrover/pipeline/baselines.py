@@ -3,7 +3,8 @@
 - :class:`FixedTuner`: one configuration, never changed; ``inline()`` is today's in-process loader (every stage
   in the training process, nothing prefetched), ``cores()`` the usual heuristic (each process stage gets as
   many workers as the machine has cores, like ``num_workers = os.cpu_count()``).
-- :class:`HillClimbTuner`: in the manner of tf.data AUTOTUNE's hill climbing: from one worker per stage, try
+- :class:`HillClimbTuner`: in the manner of tf.data AUTOTUNE's hill climbing: from one worker per stage (one
+  parse worker and the rest inline if that is over the CPU budget), try
   +1 on each knob, keep the one that helped most, repeat; stop when nothing helps by ``min_gain`` or the CPU
   budget is spent. Its memory limit is AUTOTUNE's default (half the RAM), not the pipeline's memory budget:
   its peak memory is reported, not guarded.
@@ -31,7 +32,7 @@ class FixedTuner:
 
     @classmethod
     def inline(cls) -> FixedTuner:
-        return cls(PipelineConfig(0, 0, 0, 0, 0), "in_process")
+        return cls(PipelineConfig(0, 0, 0, 0, 0), "inline_fast")
 
     @classmethod
     def cores(cls, cores: int | None = None) -> FixedTuner:
@@ -73,7 +74,10 @@ class HillClimbTuner(_Trials):
         self.budget, self.min_gain, self.done = budget, min_gain, False
         self.ram_bytes = ram_bytes or psutil.virtual_memory().total // 2
         self.guard = MemoryGuard(Budget(budget.cpus, self.ram_bytes, budget.max_prefetch))
+        # AUTOTUNE starts every parallel op at 1; where that is over the CPU budget, one parse worker.
         self.current = PipelineConfig(1, 1, 1, 1, 1)
+        if not self.guard.allows(self.current):
+            self.current = PipelineConfig(0, 1, 0, 0, 1)
         self._candidates: list[PipelineConfig] = []
         self._tried: list[PipelineConfig] = []
 
@@ -111,13 +115,15 @@ class HillClimbTuner(_Trials):
                         f"{why}: stop at {self.current.short()}", self.guard.predict(self.current))
 
 
-def default_grid(budget: Budget, parse: Iterable[int] | None = None, transform: Iterable[int] | None = None,
-                 prefetch: Iterable[int] = (4,)) -> list[PipelineConfig]:
-    """Configurations with one read and one assemble worker, ``parse`` x ``transform`` workers within the budget."""
+def default_grid(budget: Budget, read: Iterable[int] = (0, 1), parse: Iterable[int] | None = None,
+                 transform: Iterable[int] | None = None, assemble: Iterable[int] = (0, 1),
+                 prefetch: Iterable[int] = (2, 4)) -> list[PipelineConfig]:
+    """Every combination of the given worker counts (default parse 1..cpus, transform 0..cpus/4) and prefetch
+    depths whose total workers fit the CPU budget."""
     parse = list(parse or range(1, budget.cpus + 1))
-    transform = list(transform or range(1, min(budget.cpus, 4) + 1))
-    grid = [PipelineConfig(1, p, t, 1, q) for p, t, q in itertools.product(parse, transform, prefetch)]
-    return [c for c in grid if c.total_workers <= max(budget.cpus, 4)]
+    transform = list(transform or range(0, max(1, budget.cpus // 4) + 1))
+    grid = [PipelineConfig(r, p, t, a, q) for r, p, t, a, q in itertools.product(read, parse, transform, assemble, prefetch)]
+    return [c for c in grid if c.total_workers <= budget.cpus]
 
 
 class GridSearchTuner(_Trials):

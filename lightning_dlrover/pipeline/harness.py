@@ -54,8 +54,10 @@ class Trace:
         return self.samples / self.seconds if self.seconds else 0.0
 
     def final_samples_per_s(self, windows: int = 3) -> float:
-        """Mean of the last ``windows`` windows that ran the final configuration (steady state)."""
+        """Mean of the last ``windows`` windows that ran the final configuration (steady state); if it never ran a
+        whole window, of the last ``windows`` windows."""
         last = [p.samples_per_s for p in self.points if p.config == self.final][-windows:]
+        last = last or [p.samples_per_s for p in self.points][-windows:]
         return sum(last) / len(last) if last else 0.0
 
     def time_to(self, samples_per_s: float) -> float | None:
