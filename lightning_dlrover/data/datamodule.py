@@ -85,6 +85,10 @@ class DLRMDataModule(pl.LightningDataModule):
         alpha: power-law exponent of synthetic ids.
         criteo_paths: Criteo TSV files for training.
         val_criteo_paths: Criteo TSV files for validation.
+        pipeline: train on ``criteo_paths`` through the staged parallel pipeline
+            (:class:`~lightning_dlrover.data.pipeline.PipelinedLoader`): workers per stage and prefetch depth
+            (``read``, ``parse``, ``transform``, ``assemble``, ``prefetch``), and optionally ``chunk_rows`` and
+            ``on_error`` (``raise`` or ``skip``); ``None``: the in-process loader. Same batches either way.
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class DLRMDataModule(pl.LightningDataModule):
         alpha: float = 1.5,
         criteo_paths: list[str] | None = None,
         val_criteo_paths: list[str] | None = None,
+        pipeline: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if len(num_embeddings_per_feature) != NUM_SPARSE:
@@ -106,6 +111,8 @@ class DLRMDataModule(pl.LightningDataModule):
             )
         if global_batch_size < 1:
             raise ValueError(f"data.global_batch_size={global_batch_size} must be positive.")
+        if pipeline is not None and not criteo_paths:
+            raise ValueError("data.pipeline reads TSV files: set data.criteo_paths too (or remove data.pipeline).")
         self.save_hyperparameters()
         self._train_loader: ResumableLoader | None = None
 
@@ -124,6 +131,11 @@ class DLRMDataModule(pl.LightningDataModule):
     def _loader(self, train: bool) -> ResumableLoader:
         trainer = self.trainer
         rank, world_size = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        if train and self.hparams.pipeline is not None:
+            from lightning_dlrover.data.pipeline import pipelined_loader
+
+            return pipelined_loader(self._source(train), rank, world_size, self.hparams.global_batch_size,
+                                    self.hparams.pipeline)
         return ResumableLoader(self._source(train), rank, world_size, self.hparams.global_batch_size)
 
     def train_dataloader(self) -> ResumableLoader:

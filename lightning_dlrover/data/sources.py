@@ -174,18 +174,25 @@ class CriteoTSV:
     def __len__(self) -> int:
         return sum(len(o) - 1 for o in self._index())
 
-    def lines(self, start: int, stop: int) -> Iterator[tuple[Path, int, list[bytes]]]:
-        """``(file, first line number, raw lines)`` covering samples ``[start, stop)``; line numbers count from 1."""
+    def byte_ranges(self, start: int, stop: int) -> list[tuple[Path, int, int, int]]:
+        """``(file, first line number, byte offset, byte length)`` of the lines holding samples ``[start, stop)``;
+        line numbers count from 1."""
         offsets = self._index()
         check_range(start, stop, len(self))
+        ranges = []
         for path, first, file_offsets in zip(self.paths, self._first_sample, offsets):
             lo, hi = max(start - first, 0), min(stop - first, len(file_offsets) - 1)
-            if lo >= hi:
-                continue
+            if lo < hi:
+                ranges.append((path, lo + 1, int(file_offsets[lo]), int(file_offsets[hi] - file_offsets[lo])))
+        return ranges
+
+    def lines(self, start: int, stop: int) -> Iterator[tuple[Path, int, list[bytes]]]:
+        """``(file, first line number, raw lines)`` covering samples ``[start, stop)``; line numbers count from 1."""
+        for path, first_line, offset, length in self.byte_ranges(start, stop):
             with open(path, "rb") as f:
-                f.seek(int(file_offsets[lo]))
-                data = f.read(int(file_offsets[hi] - file_offsets[lo]))
-            yield path, lo + 1, data.splitlines()
+                f.seek(offset)
+                data = f.read(length)
+            yield path, first_line, data.splitlines()
 
     def parse(
         self, lines: list[bytes], path: Path | str = "<lines>", first_line: int = 1

@@ -48,6 +48,11 @@ KINDS: dict[str, tuple[str, ...]] = {
     "straggler": ("straggler_rank", "cause", "ratio", "excess_ms", "since_step"),
     "oom_forecast": ("node", "rss_bytes", "limit_bytes", "growth_bytes_per_step", "steps_to_oom", "seconds_to_oom"),
     "hot_rank": ("hot_rank", "share", "ratio", "tables"),
+    # PipelineTuner (step: the global step of the decision)
+    "pipeline_decision": ("tuner", "config", "samples_per_s", "wait_fraction", "memory_bytes", "budget_memory_bytes",
+                          "next_config", "reason", "predicted_memory_bytes"),
+    "pipeline_tuned": ("tuner", "start_config", "config", "start_samples_per_s", "samples_per_s", "gain", "windows",
+                       "resets", "peak_memory_bytes", "budget_memory_bytes", "budget_cpus"),
 }
 
 
