@@ -17,7 +17,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -26,7 +26,6 @@ from typing_extensions import override
 
 from lightning_dlrover.advisor import control
 from lightning_dlrover.advisor.detectors import OOMForecaster, StragglerDetector
-from lightning_dlrover.advisor.history import JobHistory, resolve_url
 from lightning_dlrover.advisor.model import Observation, PerformanceModel
 from lightning_dlrover.advisor.probe import Segment, probe_schedule
 from lightning_dlrover.advisor.recommend import Recommendation, recommend
@@ -38,6 +37,9 @@ from lightning_dlrover.advisor.runtime import RuntimeWatch, background_cores, br
 from lightning_dlrover.advisor.signature import signature_of
 from lightning_dlrover.advisor.warmstart import warm_start
 from lightning_dlrover.monitor import ThroughputMonitor, emit
+
+if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
+    from lightning_dlrover.advisor.history import JobHistory
 from lightning_dlrover.monitor.throughput import _infer_batch_size
 
 
@@ -46,6 +48,8 @@ def check_history_url(history: str | None) -> None:
     if history is None or history in ("user", "run"):
         return
     import sqlalchemy as sa
+
+    from lightning_dlrover.advisor.history import resolve_url
 
     url = resolve_url(history)
     try:
@@ -200,6 +204,8 @@ class ResourceAdvisor(Callback):
     def _warm_start(self, trainer: Trainer) -> ResourceConfig | None:
         if self.history_setting is None:
             return None
+        from lightning_dlrover.advisor.history import JobHistory, resolve_url
+
         self.history = JobHistory(resolve_url(self.history_setting, trainer.default_root_dir))
         run_id = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
         self._job_id = self.history.start_job(run_id, self.signature.to_dict(), self.signature.key(), self.current.to_dict(),

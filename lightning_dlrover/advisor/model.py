@@ -58,7 +58,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import nnls
 
 from lightning_dlrover.advisor.resources import ResourceConfig
 
@@ -187,6 +186,8 @@ def fit_nnls(x: np.ndarray, y: np.ndarray, weights: np.ndarray, prior: np.ndarra
     lam = math.sqrt(ridge * len(y))
     a = np.vstack([a, lam * np.eye(x.shape[1])])
     target = np.concatenate([target, lam * base])
+    from scipy.optimize import nnls  # scipy is imported when a model is fitted, not with the package
+
     theta, _ = nnls(a, target, maxiter=50 * x.shape[1])
     return theta * y_scale / col
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from lightning_dlrover.advisor.history import JobHistory, JobRecord
 from lightning_dlrover.advisor.model import Observation, PerformanceModel
 from lightning_dlrover.advisor.recommend import Recommendation, recommend
 from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
 from lightning_dlrover.advisor.signature import JobSignature
+
+if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
+    from lightning_dlrover.advisor.history import JobHistory, JobRecord
 
 
 @dataclass(frozen=True)
