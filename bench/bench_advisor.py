@@ -92,7 +92,7 @@ def run_grid(out: Path, ranks: list[int], threads: list[int], workers: list[int]
     cores = os.cpu_count() or 1
     for g in ranks:
         # threads that oversubscribe the cores make OpenMP spin (10-40x slower here): only the poor configuration
-        configs = [(t, d, b) for t, d, b in itertools.product(threads, workers, batches) if g * t <= cores]
+        configs = [(t, d, b) for t, d, b in itertools.product(threads, workers, batches) if t == 1 or g * t <= cores]
         if g == POOR["devices"]:
             configs.append((POOR["threads"], POOR["workers"], POOR["batch"]))
         configs = list(dict.fromkeys(configs))

@@ -278,6 +278,11 @@ def main() -> None:
     p.add_argument("--slow-from", type=int, default=20)
     p.add_argument("--slow-ms", type=float, default=30.0)
     p.add_argument("--slow-sleep", action="store_true")
+    p.add_argument("--objective", default="throughput")
+    p.add_argument("--target", type=float, default=None, help="samples/s of the cost objective")
+    p.add_argument("--cost-per-node", type=float, default=1.0)
+    p.add_argument("--cost-per-core", type=float, default=0.0)
+    p.add_argument("--extrapolate", action="store_true")
     p.add_argument("--ckpt_path", default=None, help="resume from this checkpoint")
     p.add_argument("--samples", type=int, default=0, help="stop after this many samples (all ranks)")
     p.add_argument("--restart", default="print", help="ResourceAdvisor(restart=...)")
@@ -320,7 +325,8 @@ def main() -> None:
         advisor = ResourceAdvisor(
             profile_steps=args.profile_steps, probe_steps=args.probe_steps, apply=args.apply, history=args.history,
             check_every_n_steps=args.check_every, search=json.loads(args.search) if args.search else None,
-            restart=args.restart)
+            restart=args.restart, objective=args.objective, target_samples_per_sec=args.target,
+            cost_per_node_hour=args.cost_per_node, cost_per_core_hour=args.cost_per_core, extrapolate=args.extrapolate)
         callbacks.append(advisor)
     if args.samples:
         callbacks.append(SampleBudget(args.samples, monitor))
@@ -339,6 +345,8 @@ def main() -> None:
         default_root_dir=args.root,
     )
     trainer.fit(model, data, ckpt_path=args.ckpt_path)
+    if trainer.is_global_zero:
+        print(f"FINAL_STEP {trainer.global_step} world_size {trainer.world_size}", flush=True)
 
 
 if __name__ == "__main__":
