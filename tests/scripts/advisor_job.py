@@ -119,7 +119,8 @@ class KnobData(pl.LightningDataModule):
 
 class GridSweep(pl.Callback):
     """Runs segments of ``settle + measure`` steps at each ``(threads, workers, batch)``; rank 0 appends one JSON
-    line per segment (mean step seconds, data wait, peak RSS over ranks) to ``out``."""
+    line per segment (mean and median step seconds and data wait, peak RSS over ranks, and the cores other programs
+    left to the job, as the advisor measures them) to ``out``."""
 
     def __init__(self, segments, knobs: LoaderKnobs, monitor: ThroughputMonitor, settle: int, measure: int, out: str,
                  ranks_per_node: int) -> None:
@@ -137,15 +138,21 @@ class GridSweep(pl.Callback):
         self._set(self.segments[0])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning_dlrover.advisor.runtime import cpu_snapshot
+
         self.n += 1
         record = self.monitor.last_step
+        if self.n == self.settle:
+            self.cpu = cpu_snapshot(trainer.local_rank == 0)
         if self.n > self.settle and record is not None:
             self.acc.append([record.seconds, record.sections.get("data_wait", 0.0), record.rss_bytes])
         if self.n < self.settle + self.measure:
             return
+        cpu = [b - a for a, b in zip(self.cpu, cpu_snapshot(trainer.local_rank == 0))]  # job s, busy s, wall s
         acc = torch.tensor(self.acc, dtype=torch.float64)
         mean, median = acc.mean(0), acc.median(0).values
-        values = torch.stack([mean[0], mean[1], acc[:, 2].max(), median[0], median[1]])
+        values = torch.cat([torch.stack([mean[0], mean[1], acc[:, 2].max(), median[0], median[1]]),
+                            torch.tensor(cpu, dtype=torch.float64)])
         if trainer.world_size > 1:
             gathered = [torch.zeros_like(values) for _ in range(trainer.world_size)]
             dist.all_gather(gathered, values)
@@ -153,12 +160,17 @@ class GridSweep(pl.Callback):
         else:
             values = values[None]
         if trainer.is_global_zero:
+            from lightning_dlrover.advisor.resources import available_cores
+            from lightning_dlrover.advisor.runtime import background_cores
+
             threads, workers, batch = self.segments[self.i]
+            cores = available_cores()
+            background = background_cores(values[:, 5:].tolist(), self.g, cores)
             row = {"nodes": trainer.world_size // self.g, "ranks_per_node": self.g, "threads_per_rank": threads,
                    "data_workers": workers, "batch_per_rank": batch, "step_s": float(values[:, 0].max()),
                    "data_wait_s": float(values[:, 1].mean()), "rss_bytes": float(values[:, 2].max()),
                    "step_s_median": float(values[:, 3].max()), "data_wait_s_median": float(values[:, 4].mean()),
-                   "time": time.time()}
+                   "cores_available": cores - background, "time": time.time()}
             with open(self.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"grid {row}", flush=True)
