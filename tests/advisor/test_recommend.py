@@ -19,7 +19,7 @@ SHAPE = JobShape(tuple([16.0] * 26), 30_000, 26 * 10**5 * 64)
 
 def model() -> PerformanceModel:
     m = PerformanceModel()
-    m.train = np.array([2e-3, 4e-5, 3e-8, 1e-5, 2e-5, 1e-9, 1e-3, 2e-9])
+    m.train = np.array([2e-3, 4e-5, 3e-8, 1e-5, 2e-5, 1e-9, 1e-3, 2e-9, 0.0])
     m.make = np.array([1e-3, 5e-6, 2e-6])
     m.wait = np.array([3e-6])
     m.memory = np.array([2e8, 1.0, 1e4])
