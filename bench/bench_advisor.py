@@ -68,6 +68,8 @@ def launch(args: list[str], cwd: Path, timeout: int = 600) -> tuple[str, float]:
         except ProcessLookupError:
             pass
     wall = time.perf_counter() - start
+    name = Path(str(args[args.index("--root") + 1])).name if "--root" in args else "job"
+    (cwd / f"{name}.log").write_text(f"$ {' '.join(map(str, args))}\nwall {wall:.2f} s\n{out}")
     if proc.returncode != 0:
         raise RuntimeError(f"job {args} exited {proc.returncode}:\n{out[-4000:]}")
     return out, wall
@@ -217,7 +219,7 @@ def main() -> None:
     threads, workers = [1, 2], [0, 1]
     batches = [64, 512] if args.quick else [64, 256, 1024]
     repeats, settle, measure = (2, 2, 5) if args.quick else (3, 2, 6)
-    samples = args.samples or (20_000 if args.quick else 40_000)
+    samples = args.samples or (60_000 if args.quick else 200_000)
     search = {"threads_per_rank": threads, "data_workers": workers, "batch_per_rank": batches}
     began = time.perf_counter()
 
