@@ -37,10 +37,10 @@ from lightning_dlrover.advisor.runtime import RuntimeWatch, background_cores, br
 from lightning_dlrover.advisor.signature import signature_of
 from lightning_dlrover.advisor.warmstart import warm_start
 from lightning_dlrover.monitor import ThroughputMonitor, emit
+from lightning_dlrover.monitor.timing import _infer_batch_size
 
 if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
     from lightning_dlrover.advisor.history import JobHistory
-from lightning_dlrover.monitor.throughput import _infer_batch_size
 
 
 def check_history_url(history: str | None) -> None:
