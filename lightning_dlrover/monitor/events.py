@@ -44,7 +44,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     "in_process_refused": ("why", "error"),
     "restarting_all": ("restarts", "failed_ranks"),
     # ResourceAdvisor (step: the global step it was decided at)
-    "advice": ("stage", "current", "recommended", "predicted_gain", "applied", "restart"),
+    "advice": ("stage", "current", "recommended", "predicted_gain", "applied", "restart", "elapsed_s"),
+    "restart": ("how", "pending", "current", "recommended", "command", "config", "kubernetes", "launcher_honours",
+                "stop_nodes", "checkpoint"),
     "straggler": ("straggler_rank", "cause", "ratio", "excess_ms", "since_step"),
     "oom_forecast": ("node", "rss_bytes", "limit_bytes", "growth_bytes_per_step", "steps_to_oom", "seconds_to_oom"),
     "hot_rank": ("hot_rank", "share", "ratio", "tables"),
