@@ -22,15 +22,13 @@ are again those of step ``s - 1``, and the lost ranks are decoded at that step. 
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dlrover.fault.coded_state import INT_OF_SIZE, CodedState
-from lightning_dlrover.fault.decode import decode_lost
-from lightning_dlrover.fault.messages import align, exchange, exchange_with, unpack
+from lightning_dlrover.fault.decode import Combination, Term, combine, decode_combinations, layout_spans
+from lightning_dlrover.fault.messages import align, exchange_with, unpack
 from lightning_dlrover.fault.placement import ParityPlacement
 from lightning_dlrover.parity import ReedSolomonCode
 
@@ -56,36 +54,38 @@ class CodedEmbeddings:
         # Fixed parity partners: the holders of this rank's chunks, and the data ranks of the groups held here.
         self._partners_out = sorted({placement.parity_rank(placement.group_of_chunk(me, c), p)
                                      for c in range(k) for p in range(r)})
+        self._coefficients = self.code.coefficients.tolist()
+        self._spans_of: list[list[list[tuple[int, int]]]] | None = None
         self._partners_in = sorted({placement.data_rank(g, c) for g, _ in placement.parity_held(me) for c in range(k)})
         self.encode()
 
-    def _group_chunks(self, holders: list[int]) -> dict[int, Tensor]:
-        """Sends each rank in ``holders`` the data chunks held here of the groups it holds parity of;
-        returns the chunks received, concatenated per source rank."""
-        wanted = {dst: [c for group, _ in self.placement.parity_held(dst) for c in range(self.placement.k)
-                        if self.placement.data_rank(group, c) == self.rank] for dst in holders}
-        sends = {}
-        for dst, chunks in wanted.items():
-            if chunks:  # each chunk read once, straight into its message
-                message = sends[dst] = torch.empty(len(chunks), self.state.chunk_len, dtype=torch.uint8)
-                for at, c in enumerate(chunks):
-                    self.state.read_chunk(c, out=message[at])
-        return exchange({dst: message.view(-1) for dst, message in sends.items()})
+    def _spans(self, rank: int, shard: int) -> list[tuple[int, int]]:
+        """Byte ranges of ``rank``'s data chunk ``shard < k`` (rows only) or of its parity row ``shard - k`` (all)."""
+        if self._spans_of is None:
+            self._spans_of = [layout_spans(specs, self.state.chunk_len, self.placement.k) for specs in self.state.layouts]
+        return self._spans_of[rank][shard] if shard < self.placement.k else [(0, self.state.chunk_len)]
 
-    def _encode_held(self, received: dict[int, Tensor]) -> None:
-        """Encodes this rank's parity rows from the group data chunks received by :meth:`_group_chunks`."""
-        offsets: dict[int, int] = defaultdict(int)
-        for group, p in self.placement.parity_held(self.rank):
-            data = []
-            for c in range(self.placement.k):
-                src, at = self.placement.data_rank(group, c), offsets[self.placement.data_rank(group, c)]
-                data.append(received[src][at : at + self.state.chunk_len])
-                offsets[src] += self.state.chunk_len
-            self.code.encode(data, parity_ids=[self.placement.k + p], out=self.parity[p : p + 1])  # no stacked copy
+    def _regions(self, shard: int) -> list[tuple[int, Tensor]]:
+        """This rank's live views of its data chunk ``shard < k`` or parity row ``shard - k``."""
+        k = self.placement.k
+        return self.state.chunk_regions(shard) if shard < k else [(0, self.parity[shard - k])]
+
+    def _parity_combinations(self, ranks: list[int]) -> list[Combination]:
+        """The parity rows held by ``ranks``, each as a combination of its group's data chunks."""
+        k, out = self.placement.k, []
+        for rank in ranks:
+            for group, p in self.placement.parity_held(rank):
+                terms = []
+                for c in range(k):
+                    src = self.placement.data_rank(group, c)
+                    terms.append(Term(src, self._spans(src, c), self._coefficients[p][c], lambda c=c: self._regions(c)))
+                out.append(Combination(rank, [(0, self.state.chunk_len)], terms, lambda p=p: [(0, self.parity[p])]))
+        return out
 
     def encode(self) -> None:
-        """Encodes all parity from scratch (start-up and after a checkpoint restore)."""
-        self._encode_held(self._group_chunks(list(range(self.placement.world_size))))
+        """Encodes all parity from scratch (start-up and after a checkpoint restore): every rank's parity rows are
+        written in place from views of the data ranks' live buffers (no intermediate copies)."""
+        combine(self._parity_combinations(list(range(self.placement.world_size))))
         self.state.commit()
         self._pending.clear()
 
@@ -180,13 +180,17 @@ class CodedEmbeddings:
         self._pending.clear()
         self.state.rollback()
 
-    def recover(self, lost: list[int]) -> None:
-        """Rebuilds the coded state and parity of the ``lost`` ranks in place on those ranks (collective).
+    def recover(self, lost: list[int]) -> int:
+        """Rebuilds the coded state and parity of the ``lost`` ranks in place on those ranks (collective); returns
+        the bytes this rank received.
 
         Every rank first rolls back to the committed step. The lost ranks' buffers may hold anything
-        (e.g. zeros after a restart); the survivors' data and parity are the source of truth.
+        (e.g. zeros after a restart); the survivors' data and parity are the source of truth. Survivors send views
+        of their live buffers; a lost rank receives straight into its TorchRec buffers and parity rows (see
+        :mod:`lightning_dlrover.fault.decode`). Its own parity share is re-encoded in the same batch of transfers
+        when its sources are survivors (one lost rank), else right after the decode.
         """
-        k, r = self.placement.k, self.placement.r
+        r = self.placement.r
         if len(lost) > r:
             raise RuntimeError(
                 f"{len(lost)} ranks lost ({lost}) but parity tolerates r={r}; restore the last checkpoint instead."
@@ -196,17 +200,12 @@ class CodedEmbeddings:
         def same(rank: int) -> int:  # in place: every rank holds and rebuilds its own chunks
             return rank
 
-        def read(_: int, shard: int, out: Tensor) -> None:
-            if shard < k:
-                self.state.read_chunk(shard, out=out)
-            else:
-                out.copy_(self.parity[shard - k])
-
-        rebuilt = decode_lost(self.placement, self.state.chunk_len, lost, self.rank, same, same, read)
-        for chunk, data in enumerate(rebuilt.get(self.rank, [])):
-            self.state.write_chunk(chunk, data)
-        # The lost ranks' own parity shares are re-encoded from the (now complete) data.
-        received = self._group_chunks(lost)
-        if self.rank in lost:
-            self._encode_held(received)
+        decode = decode_combinations(self.placement, self._spans, lost, same, same, lambda _, shard: self._regions(shard),
+                                     lambda _, chunk: self.state.chunk_regions(chunk))
+        reencode = self._parity_combinations(lost)
+        if any(term.holder in lost for combo in reencode for term in combo.terms):
+            received = combine(decode) + combine(reencode)
+        else:
+            received = combine(decode + reencode)
         self.state.commit()
+        return received

@@ -211,6 +211,16 @@ class CodedState:
                 out[start : start + (p.row_hi - p.row_lo) * seg.row_bytes] = seg.row_view()[p.row_lo : p.row_hi].reshape(-1)
         return out
 
+    def chunk_regions(self, chunk: int) -> list[tuple[int, Tensor]]:
+        """``(start, view)`` of every piece of chunk ``chunk``: zero-copy uint8 views of the live TorchRec buffers
+        holding the chunk's bytes ``[start, start + view.numel())``, in increasing order (padding is not held)."""
+        out = []
+        for p in self.pieces:
+            if p.chunk == chunk:
+                seg = self.segments[p.segment]
+                out.append((p.slot * seg.row_bytes, seg.row_view()[p.row_lo : p.row_hi].reshape(-1)))
+        return sorted(out, key=lambda region: region[0])
+
     def write_chunk(self, chunk: int, data: Tensor) -> None:
         """Writes chunk ``chunk`` (uint8 ``[chunk_len]``) into the live TorchRec buffers."""
         for p in self.pieces:

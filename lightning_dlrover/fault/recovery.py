@@ -113,10 +113,10 @@ def restore(state: CodedState | None, spills: list[Spill]) -> RecoveryReport | N
     chunks = {rank: spill.chunks for rank, spill in held.items()}
     chunks.update(
         decode_lost(
-            placement, chunk_len, lost, me,
+            placement, layouts, chunk_len, lost, me,
             holder=holders.__getitem__,
             decoder={rank: i % world for i, rank in enumerate(lost)}.__getitem__,
-            read=lambda rank, shard, out: out.copy_(held[rank].chunks[shard] if shard < k else held[rank].parity[shard - k]),
+            sources=lambda rank, shard: [(0, held[rank].chunks[shard] if shard < k else held[rank].parity[shard - k])],
         )
     )  # fmt: skip
     decoded = time.perf_counter()
