@@ -139,6 +139,11 @@ def main() -> None:
                   f"{step_s:>6.3f} {restore_x:>10.1f} {total_x:>8.2f} {lost10:>8.2f} {lost100:>9.2f}")
     print("restore x / total x: the method's restore / kill-to-resume time over parity's. lost/N: total plus the "
           "replay of N/2 steps that a checkpoint every N steps loses on average (parity: none).")
+    for rows, results in rows_out:
+        if "parity" in results and "dcp" in results:
+            ratio = results["parity"]["restore"] / results["dcp"]["restore"]
+            print(f"{emb_mib[rows]:.0f} MiB: parity restore / dcp restore = {ratio:.2f} "
+                  f"(target <= 1: {'yes' if ratio <= 1 else 'NO'})")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ class CodedEmbeddings:
         committed_step: the last step whose data and parity are consistent on every rank (-1: the encode).
     """
 
-    def __init__(self, state: CodedState, placement: ParityPlacement) -> None:
+    def __init__(self, state: CodedState, placement: ParityPlacement, encode: bool = True) -> None:
         self.state, self.placement = state, placement
         self.rank = dist.get_rank()
         self.code = ReedSolomonCode(placement.k, placement.r)
@@ -62,7 +62,8 @@ class CodedEmbeddings:
         self._spans_of: list[list[list[tuple[int, int]]]] | None = None
         self._partners_in = sorted({placement.data_rank(g, c) for g, _ in placement.parity_held(me) for c in range(k)})
         self._mailbox = Mailbox(self._partners_in)
-        self.encode()
+        if encode:  # else the caller runs encode() or recover() (a replacement joining survivors) next
+            self.encode()
 
     def _spans(self, rank: int, shard: int) -> list[tuple[int, int]]:
         """Byte ranges of ``rank``'s data chunk ``shard < k`` (rows only) or of its parity row ``shard - k`` (all)."""

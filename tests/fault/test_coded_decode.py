@@ -1,4 +1,4 @@
-"""The copy-free decode: span arithmetic, and ``combine`` across real gloo processes against a direct computation
+"""The copy-free decode and the commit mailbox: span arithmetic, and ``combine`` across real gloo processes against a direct computation
 (sources with padding gaps, coefficients other than 1, outputs streamed through a scratch ring smaller than them)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_dlrover.fault.decode import Combination, Term, combine, cut, intersect, subtract
+from lightning_dlrover.fault.messages import Mailbox
 from lightning_dlrover.parity import gf256
 
 
@@ -41,7 +42,26 @@ def _worker(rank: int, path: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=3)
     for block in (64, 1 << 20):  # many blocks through the 4-slot ring, and one block per piece
         _check(rank, block)
+    _check_mailbox(rank)
     dist.destroy_process_group()
+
+
+def _message(src: int, dst: int, length: int) -> torch.Tensor:
+    message = torch.full((length,), 16 * src + dst, dtype=torch.uint8)
+    message[:8].view(torch.int64)[0] = length
+    return message
+
+
+def _check_mailbox(rank: int) -> None:
+    """Messages shorter than, longer than (two parts, the buffer grows) and again within the receive buffer."""
+    sources = [(rank - 1) % 3, (rank + 1) % 3]
+    mailbox = Mailbox(sources, capacity=64)
+    for length in (40, 200, 150, 1000, 16):
+        sends = {dst: _message(rank, dst, length + dst) for dst in sources}
+        got = mailbox.exchange(sends)
+        assert sorted(got) == sorted(sources)
+        for src, message in got.items():
+            assert torch.equal(message, _message(src, rank, length + rank)), (rank, src, length)
 
 
 def _check(rank: int, block: int) -> None:
