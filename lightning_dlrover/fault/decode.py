@@ -143,8 +143,9 @@ def combine(combinations: Sequence[Combination], me: int | None = None, block: i
     sends, direct, streamed = [], [], []  # streamed: (combination, term, lo, hi, tag)
     for combo in combinations:
         for i, term in enumerate(combo.terms):
-            # each piece lies in one region of the source and one of the output
-            for lo, hi in cut(intersect(term.spans, combo.spans), term.spans + combo.spans, block):
+            # each piece lies in one region of the source and one of the output (and one scratch block if streamed)
+            whole = i == combo._direct
+            for lo, hi in cut(intersect(term.spans, combo.spans), term.spans + combo.spans, 1 << 62 if whole else block):
                 tag = 0
                 if term.holder != combo.receiver:
                     tag = tags[term.holder, combo.receiver]
