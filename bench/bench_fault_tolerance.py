@@ -722,6 +722,9 @@ def print_drill(runs: list[Run]) -> None:
                 restores = f"all {run.devices} ranks"
             name = names.get(method, f"{method} load_checkpoint")
             print(f"{name:<32}{restores:<18}{seconds:>8.3f}{seconds / decode:>10.2f}  {'yes' if m['exact'] else 'NO'}")
+        if "dcp" in d["methods"]:
+            dcp = statistics.median(d["methods"]["dcp"]["seconds"])
+            print(f"decode / dcp restore: {decode / dcp:.2f} (target <= 1: {'yes' if decode <= dcp else 'NO'})")
         for method, m in d["methods"].items():
             if "save_seconds" in m:
                 print(f"  ({method} save of that checkpoint: {m['save_seconds'][0]:.3f} s)")

@@ -22,17 +22,18 @@ are again those of step ``s - 1``, and the lost ranks are decoded at that step. 
 
 from __future__ import annotations
 
-from collections import defaultdict
+import ctypes
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dlrover.fault.coded_state import INT_OF_SIZE, CodedState
-from lightning_dlrover.fault.decode import decode_lost
-from lightning_dlrover.fault.messages import align, exchange, exchange_with, unpack
+from lightning_dlrover.fault.decode import Combination, Term, combine, decode_combinations, layout_spans
+from lightning_dlrover.fault.messages import Mailbox, align
 from lightning_dlrover.fault.placement import ParityPlacement
 from lightning_dlrover.parity import ReedSolomonCode
+from lightning_dlrover.parity import cpu as gf_cpu
 
 
 class CodedEmbeddings:
@@ -43,7 +44,7 @@ class CodedEmbeddings:
         committed_step: the last step whose data and parity are consistent on every rank (-1: the encode).
     """
 
-    def __init__(self, state: CodedState, placement: ParityPlacement) -> None:
+    def __init__(self, state: CodedState, placement: ParityPlacement, encode: bool = True) -> None:
         self.state, self.placement = state, placement
         self.rank = dist.get_rank()
         self.code = ReedSolomonCode(placement.k, placement.r)
@@ -51,100 +52,109 @@ class CodedEmbeddings:
         self.committed_step = -1
         #: Bytes of the messages the last :meth:`send_deltas` sent.
         self.sent_bytes = 0
-        self._pending: list[tuple[int, int, Tensor, Tensor]] = []
+        self._pending: list[tuple[int, int, Tensor, int, int, int, int]] = []  # blocks applied since the commit
         k, r, me = placement.k, placement.r, self.rank
         # Fixed parity partners: the holders of this rank's chunks, and the data ranks of the groups held here.
         self._partners_out = sorted({placement.parity_rank(placement.group_of_chunk(me, c), p)
                                      for c in range(k) for p in range(r)})
+        self._coefficients = self.code.coefficients.tolist()
+        self._coefficient_bytes = [[bytes([c]) for c in row] for row in self._coefficients]
+        self._spans_of: list[list[list[tuple[int, int]]]] | None = None
         self._partners_in = sorted({placement.data_rank(g, c) for g, _ in placement.parity_held(me) for c in range(k)})
-        self.encode()
+        self._mailbox = Mailbox(self._partners_in)
+        if encode:  # else the caller runs encode() or recover() (a replacement joining survivors) next
+            self.encode()
 
-    def _group_chunks(self, holders: list[int]) -> dict[int, Tensor]:
-        """Sends each rank in ``holders`` the data chunks held here of the groups it holds parity of;
-        returns the chunks received, concatenated per source rank."""
-        wanted = {dst: [c for group, _ in self.placement.parity_held(dst) for c in range(self.placement.k)
-                        if self.placement.data_rank(group, c) == self.rank] for dst in holders}
-        sends = {}
-        for dst, chunks in wanted.items():
-            if chunks:  # each chunk read once, straight into its message
-                message = sends[dst] = torch.empty(len(chunks), self.state.chunk_len, dtype=torch.uint8)
-                for at, c in enumerate(chunks):
-                    self.state.read_chunk(c, out=message[at])
-        return exchange({dst: message.view(-1) for dst, message in sends.items()})
+    def _spans(self, rank: int, shard: int) -> list[tuple[int, int]]:
+        """Byte ranges of ``rank``'s data chunk ``shard < k`` (rows only) or of its parity row ``shard - k`` (all)."""
+        if self._spans_of is None:
+            self._spans_of = [layout_spans(specs, self.state.chunk_len, self.placement.k) for specs in self.state.layouts]
+        return self._spans_of[rank][shard] if shard < self.placement.k else [(0, self.state.chunk_len)]
 
-    def _encode_held(self, received: dict[int, Tensor]) -> None:
-        """Encodes this rank's parity rows from the group data chunks received by :meth:`_group_chunks`."""
-        offsets: dict[int, int] = defaultdict(int)
-        for group, p in self.placement.parity_held(self.rank):
-            data = []
-            for c in range(self.placement.k):
-                src, at = self.placement.data_rank(group, c), offsets[self.placement.data_rank(group, c)]
-                data.append(received[src][at : at + self.state.chunk_len])
-                offsets[src] += self.state.chunk_len
-            self.code.encode(data, parity_ids=[self.placement.k + p], out=self.parity[p : p + 1])  # no stacked copy
+    def _regions(self, shard: int) -> list[tuple[int, Tensor]]:
+        """This rank's live views of its data chunk ``shard < k`` or parity row ``shard - k``."""
+        k = self.placement.k
+        return self.state.chunk_regions(shard) if shard < k else [(0, self.parity[shard - k])]
+
+    def _parity_combinations(self, ranks: list[int]) -> list[Combination]:
+        """The parity rows held by ``ranks``, each as a combination of its group's data chunks."""
+        k, out = self.placement.k, []
+        for rank in ranks:
+            for group, p in self.placement.parity_held(rank):
+                terms = []
+                for c in range(k):
+                    src = self.placement.data_rank(group, c)
+                    terms.append(Term(src, self._spans(src, c), self._coefficients[p][c], lambda c=c: self._regions(c)))
+                out.append(Combination(rank, [(0, self.state.chunk_len)], terms, lambda p=p: [(0, self.parity[p])]))
+        return out
 
     def encode(self) -> None:
-        """Encodes all parity from scratch (start-up and after a checkpoint restore)."""
-        self._encode_held(self._group_chunks(list(range(self.placement.world_size))))
+        """Encodes all parity from scratch (start-up and after a checkpoint restore): every rank's parity rows are
+        written in place from views of the data ranks' live buffers (no intermediate copies)."""
+        combine(self._parity_combinations(list(range(self.placement.world_size))))
         self.state.commit()
         self._pending.clear()
 
     def send_deltas(self) -> None:
         """Sends the row deltas since the last commit to their parity holders and folds in the ones received
-        (pairwise with the fixed parity partners: no collective). The step stays undoable (:meth:`rollback`)
-        until :meth:`commit`.
+        (pairwise with the fixed parity partners, one round, no collective). The step stays undoable
+        (:meth:`rollback`) until :meth:`commit`.
 
-        Each delta is written once, straight into the message to its first parity holder: the new rows are
-        gathered into the message and the committed ones XORed in place; further holders (``r > 1``) get a copy.
+        Each delta is written once, straight into the message to its first parity holder (one gather-XOR pass of the
+        new rows against the undo log); further holders (``r > 1``) get a copy. A message is int64 words ``length,
+        blocks``, then ``p, chunk, row_bytes, n`` per block, then every block's ``n`` row slots, then the blocks'
+        delta bytes (each 8-byte aligned).
         """
         blocks: dict[int, list[tuple[int, int, int, int, int]]] = {dst: [] for dst in self._partners_out}
-        touched = self.state.touched()
-        slots_of, rows_of, old_of = {}, {}, {}
-        for index, rows, old in touched:
-            chunks, slots = self.state.locate(index, rows)
-            slots_of[index], rows_of[index], old_of[index] = slots, rows, old
-            first, last = int(chunks[0]), int(chunks[-1])
-            # rows increase, so each chunk's rows are one slice
-            bounds = [0, len(rows)] if first == last else torch.searchsorted(chunks, torch.arange(first, last + 2)).tolist()
-            for chunk, lo, hi in zip(range(first, last + 1), bounds, bounds[1:]):
-                if lo < hi:
-                    group = self.placement.group_of_chunk(self.rank, chunk)
-                    for p in range(self.placement.r):
-                        blocks[self.placement.parity_rank(group, p)].append((p, chunk, index, lo, hi))
-        written: dict[tuple[int, int], Tensor] = {}
+        rows_of, old_of, slots_of = {}, {}, {}
+        for index, rows, old in self.state.touched():
+            rows_of[index], old_of[index] = rows, old
+            for chunk, lo, hi, slots in self.state.split_by_chunk(index, rows):
+                slots_of[index, lo] = slots
+                group = self.placement.group_of_chunk(self.rank, chunk)
+                for p in range(self.placement.r):
+                    blocks[self.placement.parity_rank(group, p)].append((p, chunk, index, lo, hi))
+        raw = gf_cpu.has_raw_kernels()
+        written: dict[tuple[int, int], tuple[int, Tensor]] = {}
         messages, self.sent_bytes = {}, 0
         for dst, plan in blocks.items():
-            words = sum(4 + hi - lo for *_, lo, hi in plan)
-            at = 8 * (1 + words)
-            offsets = []
-            for _, _, index, lo, hi in plan:
+            words = 2 + 4 * len(plan) + sum(hi - lo for *_, lo, hi in plan)
+            at, offsets, descriptors = 8 * words, [], []
+            for p, chunk, index, lo, hi in plan:
                 at = align(at)
                 offsets.append(at)
-                at += (hi - lo) * self.state.segments[index].row_bytes
+                row_bytes = self.state.segments[index].row_bytes
+                at += (hi - lo) * row_bytes
+                descriptors += [p, chunk, row_bytes, hi - lo]
             message = torch.empty(at, dtype=torch.uint8)
-            head = message[: 8 * (1 + words)].view(torch.int64)
-            head[0] = words
-            w = 1
+            head = message[: 8 * words].view(torch.int64)
+            head[: 2 + len(descriptors)] = torch.tensor([at, len(plan), *descriptors])
+            if plan:
+                torch.cat([slots_of[index, lo] for _, _, index, lo, _ in plan], out=head[2 + len(descriptors) :])
+            base = message.data_ptr()
             for (p, chunk, index, lo, hi), offset in zip(plan, offsets):
                 segment, n = self.state.segments[index], hi - lo
-                head[w : w + 4] = torch.tensor([p, chunk, segment.row_bytes, n])
-                head[w + 4 : w + 4 + n] = slots_of[index][lo:hi]
-                w += 4 + n
+                if (index, lo) in written:  # r > 1: the same delta for another parity holder
+                    ctypes.memmove(base + offset, written[index, lo][0], n * segment.row_bytes)
+                    continue
+                written[index, lo] = (base + offset, message)
+                rows, old = rows_of[index], old_of[index]
+                if raw and segment.tensor.is_contiguous():
+                    gf_cpu.gather_xor_raw(base + offset, segment.tensor.data_ptr(), segment.rows,
+                                          rows.data_ptr() + 8 * lo, n, old.data_ptr() + lo * segment.row_bytes,
+                                          segment.row_bytes)
+                    continue
                 out = message[offset : offset + n * segment.row_bytes].view(segment.tensor.dtype)
                 out = out.view(n, *segment.tensor.shape[1:])
-                if (index, lo) in written:
-                    out.copy_(written[index, lo])
-                    continue
-                torch.index_select(segment.tensor, 0, rows_of[index][lo:hi], out=out)
+                torch.index_select(segment.tensor, 0, rows[lo:hi], out=out)
                 kind = INT_OF_SIZE[out.element_size()]  # XOR whole elements: fewer, wider operations than bytes
-                out.view(kind).bitwise_xor_(old_of[index][lo:hi].view(kind))
-                written[index, lo] = out
+                out.view(kind).bitwise_xor_(old[lo:hi].view(kind))
             messages[dst] = message
             self.sent_bytes += message.numel()
-        for message in exchange_with(messages, self._partners_in).values():
-            for p, c, slots, deltas in self._blocks(message):
-                self._apply(p, c, slots, deltas)
-                self._pending.append((p, c, slots, deltas))
+        for message in self._mailbox.exchange(messages).values():
+            for block in self._blocks(message):
+                self._apply(*block)
+                self._pending.append(block)
 
     def commit(self, step: int, ballot: Tensor) -> list[Tensor]:
         """The vote: an all-gather of every rank's ``ballot`` (uint8, the same size on every rank), reached by
@@ -157,36 +167,50 @@ class CodedEmbeddings:
         return ballots
 
     @staticmethod
-    def _blocks(message: Tensor) -> list[tuple[int, int, Tensor, Tensor]]:
-        """Parses a delta message (header words per block: ``p, c, row_bytes, n`` then ``n`` row slots; payload:
-        the blocks' delta bytes in order, each starting 8-byte aligned). Returns ``(p, c, slots, deltas [n, row_bytes])``."""
-        header, _ = unpack(message)
-        data_at, at, blocks = 8 * (1 + header.numel()), 0, []
-        while at < header.numel():
-            p, c, row_bytes, n = header[at : at + 4].tolist()
-            slots = header[at + 4 : at + 4 + n]
+    def _blocks(message: Tensor) -> list[tuple[int, int, Tensor, int, int, int, int]]:
+        """Parses a delta message (see :meth:`send_deltas`): ``(p, c, message, slots_at, n, row_bytes, data_at)``
+        per block (byte offsets into the message)."""
+        count = int(message[8:16].view(torch.int64))
+        descriptors = message[16 : 16 + 32 * count].view(torch.int64).view(count, 4).tolist()
+        slots_at = 16 + 32 * count
+        data_at = slots_at + 8 * sum(n for *_, n in descriptors)
+        blocks = []
+        for p, c, row_bytes, n in descriptors:
             data_at = align(data_at)
-            blocks.append((p, c, slots, message[data_at : data_at + n * row_bytes].view(n, row_bytes)))
-            at, data_at = at + 4 + n, data_at + n * row_bytes
+            blocks.append((p, c, message, slots_at, n, row_bytes, data_at))
+            slots_at, data_at = slots_at + 8 * n, data_at + n * row_bytes
         return blocks
 
-    def _apply(self, p: int, c: int, slots: Tensor, deltas: Tensor) -> None:
+    def _apply(self, p: int, c: int, message: Tensor, slots_at: int, n: int, row_bytes: int, data_at: int) -> None:
+        """Folds one block of deltas into parity row ``p`` (applying it twice undoes it)."""
+        chunk_len = self.state.chunk_len
+        if gf_cpu.has_raw_kernels():
+            base = message.data_ptr()
+            gf_cpu.update_rows_raw(self.parity.data_ptr() + p * chunk_len, chunk_len, self._coefficient_bytes[p][c],
+                                   base + slots_at, n, chunk_len // row_bytes, base + data_at, row_bytes)
+            return
+        slots = message[slots_at : slots_at + 8 * n].view(torch.int64)
+        deltas = message[data_at : data_at + n * row_bytes].view(n, row_bytes)
         self.code.update_rows(self.parity[p : p + 1], c, slots, deltas, parity_ids=[self.placement.k + p])
 
     def rollback(self) -> None:
         """Undoes an uncommitted step on this rank: rows back to the committed bytes, received deltas removed."""
-        for p, c, slots, deltas in self._pending:
-            self._apply(p, c, slots, deltas)
+        for block in self._pending:
+            self._apply(*block)
         self._pending.clear()
         self.state.rollback()
 
-    def recover(self, lost: list[int]) -> None:
-        """Rebuilds the coded state and parity of the ``lost`` ranks in place on those ranks (collective).
+    def recover(self, lost: list[int]) -> int:
+        """Rebuilds the coded state and parity of the ``lost`` ranks in place on those ranks (collective); returns
+        the bytes this rank received.
 
         Every rank first rolls back to the committed step. The lost ranks' buffers may hold anything
-        (e.g. zeros after a restart); the survivors' data and parity are the source of truth.
+        (e.g. zeros after a restart); the survivors' data and parity are the source of truth. Survivors send views
+        of their live buffers; a lost rank receives straight into its TorchRec buffers and parity rows (see
+        :mod:`lightning_dlrover.fault.decode`). Its own parity share is re-encoded in the same batch of transfers
+        when its sources are survivors (one lost rank), else right after the decode.
         """
-        k, r = self.placement.k, self.placement.r
+        r = self.placement.r
         if len(lost) > r:
             raise RuntimeError(
                 f"{len(lost)} ranks lost ({lost}) but parity tolerates r={r}; restore the last checkpoint instead."
@@ -196,17 +220,12 @@ class CodedEmbeddings:
         def same(rank: int) -> int:  # in place: every rank holds and rebuilds its own chunks
             return rank
 
-        def read(_: int, shard: int, out: Tensor) -> None:
-            if shard < k:
-                self.state.read_chunk(shard, out=out)
-            else:
-                out.copy_(self.parity[shard - k])
-
-        rebuilt = decode_lost(self.placement, self.state.chunk_len, lost, self.rank, same, same, read)
-        for chunk, data in enumerate(rebuilt.get(self.rank, [])):
-            self.state.write_chunk(chunk, data)
-        # The lost ranks' own parity shares are re-encoded from the (now complete) data.
-        received = self._group_chunks(lost)
-        if self.rank in lost:
-            self._encode_held(received)
+        decode = decode_combinations(self.placement, self._spans, lost, same, same, lambda _, shard: self._regions(shard),
+                                     lambda _, chunk: self.state.chunk_regions(chunk))
+        reencode = self._parity_combinations(lost)
+        if any(term.holder in lost for combo in reencode for term in combo.terms):
+            received = combine(decode) + combine(reencode)
+        else:
+            received = combine(decode + reencode)
         self.state.commit()
+        return received

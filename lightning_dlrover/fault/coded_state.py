@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -33,11 +34,11 @@ class Segment:
     table: int
     tensor: Tensor
 
-    @property
+    @cached_property
     def rows(self) -> int:
         return self.tensor.shape[0]
 
-    @property
+    @cached_property
     def row_bytes(self) -> int:
         return self.tensor[0].numel() * self.tensor.element_size() if self.rows else 0
 
@@ -216,6 +217,16 @@ class CodedState:
                 out[start : start + (p.row_hi - p.row_lo) * seg.row_bytes] = seg.row_view()[p.row_lo : p.row_hi].reshape(-1)
         return out
 
+    def chunk_regions(self, chunk: int) -> list[tuple[int, Tensor]]:
+        """``(start, view)`` of every piece of chunk ``chunk``: zero-copy uint8 views of the live TorchRec buffers
+        holding the chunk's bytes ``[start, start + view.numel())``, in increasing order (padding is not held)."""
+        out = []
+        for p in self.pieces:
+            if p.chunk == chunk:
+                seg = self.segments[p.segment]
+                out.append((p.slot * seg.row_bytes, seg.row_view()[p.row_lo : p.row_hi].reshape(-1)))
+        return sorted(out, key=lambda region: region[0])
+
     def write_chunk(self, chunk: int, data: Tensor) -> None:
         """Writes chunk ``chunk`` (uint8 ``[chunk_len]``) into the live TorchRec buffers."""
         for p in self.pieces:
@@ -224,6 +235,17 @@ class CodedState:
                 start = p.slot * seg.row_bytes
                 rows = data[start : start + (p.row_hi - p.row_lo) * seg.row_bytes].view(-1, seg.row_bytes)
                 seg.row_view()[p.row_lo : p.row_hi] = rows
+
+    def split_by_chunk(self, segment: int, rows: Tensor) -> list[tuple[int, int, int, Tensor]]:
+        """``(chunk, lo, hi, slots)`` for each chunk holding some of ``rows`` (int64 [m], increasing): ``rows[lo:hi]``
+        lie in ``chunk`` at row slots ``slots`` (units of the segment's ``row_bytes``)."""
+        bounds, chunks, shifts = self._piece_index[segment]
+        if len(bounds) == 1:  # the segment lies in one chunk: no search
+            return [(int(chunks[0]), 0, len(rows), rows + int(shifts[0]))]
+        chunk_of, slots = self.locate(segment, rows)
+        first, last = int(chunk_of[0]), int(chunk_of[-1])
+        edges = torch.searchsorted(chunk_of, torch.arange(first, last + 2)).tolist()
+        return [(c, lo, hi, slots[lo:hi]) for c, lo, hi in zip(range(first, last + 1), edges, edges[1:]) if lo < hi]
 
     def locate(self, segment: int, rows: Tensor) -> tuple[Tensor, Tensor]:
         """Chunk index and row slot (units of the segment's ``row_bytes``) of each of ``rows`` (int64 [m])."""

@@ -1,7 +1,7 @@
-"""Point-to-point exchange between ranks, and the one message framing every exchange of the fault layer uses.
-
-A message is ``int64 H``, then ``H`` int64 header words, then payload bytes; what the words mean is the
-sender's and receiver's business (row deltas, decode inputs, re-shard pieces).
+"""Point-to-point exchanges between ranks: a general one (:func:`exchange`, sizes told first, with the
+:func:`pack` framing: ``int64 H``, ``H`` int64 header words, payload bytes) and the per-step one of parity commits
+(:class:`Mailbox`: fixed partners, persistent buffers, one round). Decode and re-shard transfers need neither:
+every worker derives them from the layouts (:mod:`lightning_dlrover.fault.decode`).
 """
 
 from __future__ import annotations
@@ -31,23 +31,6 @@ def exchange(sends: dict[int, Tensor], dtype: torch.dtype = torch.uint8) -> dict
     return received
 
 
-def exchange_with(sends: dict[int, Tensor], sources: list[int]) -> dict[int, Tensor]:
-    """Pairwise exchange with fixed partners and no collective: one uint8 message to every rank in ``sends`` and
-    one from every rank in ``sources`` (a rank with nothing to say sends an empty message). Each message's length
-    travels first (8 bytes), then the message; only the partners wait for each other."""
-    lengths = {src: torch.empty(1, dtype=torch.int64) for src in sources}
-    ops = [dist.P2POp(dist.isend, torch.tensor([t.numel()], dtype=torch.int64), dst) for dst, t in sends.items()]
-    ops += [dist.P2POp(dist.irecv, length, src) for src, length in lengths.items()]
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
-    received = {src: torch.empty(int(length), dtype=torch.uint8) for src, length in lengths.items()}
-    ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sends.items() if t.numel()]
-    ops += [dist.P2POp(dist.irecv, t, src) for src, t in received.items() if t.numel()]
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
-    return received
-
-
 def align(offset: int, to: int = 8) -> int:
     """``offset`` rounded up to a multiple of ``to`` (payload blocks start aligned, so they can be viewed as any dtype)."""
     return -(-offset // to) * to
@@ -64,3 +47,53 @@ def unpack(message: Tensor) -> tuple[Tensor, Tensor]:
     """``(header words int64 [H], payload uint8)`` of a message built by :func:`pack` (views, no copy)."""
     count = int(message[:8].view(torch.int64))
     return message[8 : 8 + 8 * count].view(torch.int64), message[8 + 8 * count :]
+
+
+class Mailbox:
+    """Pairwise exchange with fixed partners over persistent receive buffers, in one round and no collective.
+
+    Every message starts with its total length in bytes (an int64). A receiver posts its buffer for the message
+    before knowing its length (gloo accepts a shorter message); a message longer than the buffer travels in two
+    parts, the rest once the receiver has read the length. Both sides then grow the buffer the same way (each knows
+    the length), so a later message of that size fits in one part. Received messages are views of the buffers,
+    valid until the next :meth:`exchange`.
+
+    Args:
+        sources: ranks that send a message here at every exchange.
+        capacity: initial receive buffer bytes per source.
+    """
+
+    def __init__(self, sources: list[int], capacity: int = 1 << 20) -> None:
+        self._inbox = {src: torch.empty(capacity, dtype=torch.uint8) for src in sources}
+        self._capacity_out: dict[int, int] = {}
+        self._initial = capacity
+
+    @staticmethod
+    def _grown(capacity: int, length: int) -> int:
+        while capacity < length:
+            capacity *= 2
+        return capacity
+
+    def exchange(self, sends: dict[int, Tensor]) -> dict[int, Tensor]:
+        """Sends ``sends[dst]`` (uint8, first 8 bytes its length) to each ``dst``; returns each source's message."""
+        ops = [dist.irecv(box, src, tag=0) for src, box in self._inbox.items()]
+        works, rest = [], []
+        for dst, message in sends.items():
+            capacity = self._capacity_out.get(dst, self._initial)
+            works.append(dist.isend(message[:capacity], dst, tag=0))
+            if message.numel() > capacity:
+                works.append(dist.isend(message[capacity:], dst, tag=1))
+                self._capacity_out[dst] = self._grown(capacity, message.numel())
+        received = {}
+        for (src, box), work in zip(list(self._inbox.items()), ops):
+            work.wait()
+            length = int(box[:8].view(torch.int64))
+            if length > box.numel():
+                grown = torch.empty(self._grown(box.numel(), length), dtype=torch.uint8)
+                grown[: box.numel()] = box
+                rest.append(dist.irecv(grown[box.numel() : length], src, tag=1))
+                self._inbox[src] = box = grown
+            received[src] = box[:length]
+        for work in rest + works:
+            work.wait()
+        return received

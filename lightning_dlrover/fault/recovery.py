@@ -37,7 +37,6 @@ from torch import Tensor
 
 from lightning_dlrover.fault.coded_state import CodedState, SegmentSpec, chunk_layout
 from lightning_dlrover.fault.decode import decode_lost
-from lightning_dlrover.fault.messages import exchange, pack, unpack
 from lightning_dlrover.fault.placement import ParityPlacement
 from lightning_dlrover.fault.spill import Spill
 
@@ -110,36 +109,50 @@ def restore(state: CodedState | None, spills: list[Spill]) -> RecoveryReport | N
     layouts, chunk_len, meta, rank_states = source
 
     started = time.perf_counter()
+    # Each lost rank is rebuilt on the worker holding its first parity source; with k = 1 that source *is* its
+    # chunk (a view of the spill, nothing decoded or copied), and otherwise one of its k sources is local.
+    decoder = {}
+    for rank, _, sources in placement.decode_plan(lost):
+        decoder.setdefault(rank, holders[next((src for src, shard in sources if shard >= k), sources[0][0])])
+    where = {**holders, **decoder}
     chunks = {rank: spill.chunks for rank, spill in held.items()}
-    chunks.update(
-        decode_lost(
-            placement, chunk_len, lost, me,
-            holder=holders.__getitem__,
-            decoder={rank: i % world for i, rank in enumerate(lost)}.__getitem__,
-            read=lambda rank, shard, out: out.copy_(held[rank].chunks[shard] if shard < k else held[rank].parity[shard - k]),
-        )
-    )  # fmt: skip
+    aliased = [rank for rank in lost if k == 1 and decoder[rank] == me]
+    for rank, _, sources in placement.decode_plan(aliased):
+        (src, shard), = sources
+        chunks[rank] = held[src].parity[shard - k : shard - k + 1] if shard >= k else held[src].chunks[shard : shard + 1]
+    if k > 1:
+        chunks.update(
+            decode_lost(
+                placement, layouts, chunk_len, lost, me,
+                holder=holders.__getitem__,
+                decoder=decoder.__getitem__,
+                sources=lambda rank, shard: [(0, held[rank].chunks[shard] if shard < k else held[rank].parity[shard - k])],
+            )
+        )  # fmt: skip
     decoded = time.perf_counter()
-    _reshard(state, layouts, chunk_len, chunks, step)
+    _reshard(state, layouts, chunk_len, chunks, where, step)
     return RecoveryReport(step, old_world, lost, decoded - started, time.perf_counter() - decoded, meta, rank_states)
 
 
-def _reshard(state: CodedState, layouts: list[list[SegmentSpec]], chunk_len: int, chunks: dict[int, Tensor], step: int) -> None:
-    """Sends every piece of the old segments held here to the new segments it overlaps and writes what arrives."""
+def _reshard(state: CodedState, layouts: list[list[SegmentSpec]], chunk_len: int, chunks: dict[int, Tensor],
+             where: dict[int, int], step: int) -> None:
+    """Moves every piece of the old segments to the new segments it overlaps, straight between the chunks held
+    (``chunks``; old rank ``r``'s are on worker ``where[r]``) and the live TorchRec buffers: every worker derives the
+    same list of transfers from the layouts, so no header travels; full rows are sent and received as views."""
+    me = dist.get_rank()
     targets: dict[str, list[tuple[int, int, SegmentSpec]]] = defaultdict(list)
     for rank, specs in enumerate(state.layouts):
         for index, spec in enumerate(specs):
             if spec.rows:
                 targets[spec.key].append((rank, index, spec))
-    headers: dict[int, list[int]] = defaultdict(list)
-    payload: dict[int, list[Tensor]] = defaultdict(list)
+    tags: dict[tuple[int, int], int] = defaultdict(int)
+    works, copies = [], []
     changed = set()
-    for rank, data in chunks.items():
-        specs = layouts[rank]
+    covered = [0] * len(state.segments)
+    for rank in sorted(where):
+        src, specs = where[rank], layouts[rank]
         for piece in chunk_layout(specs, chunk_len):
             spec = specs[piece.segment]
-            rows = data[piece.chunk][piece.slot * spec.row_bytes :][: (piece.row_hi - piece.row_lo) * spec.row_bytes]
-            rows = rows.view(-1, spec.row_bytes)
             lo, hi = spec.offsets[0] + piece.row_lo, spec.offsets[0] + piece.row_hi
             for dst, index, new in targets.get(spec.key, []):
                 if new.global_size != spec.global_size:
@@ -147,20 +160,34 @@ def _reshard(state: CodedState, layouts: list[list[SegmentSpec]], chunk_len: int
                     continue
                 r0, r1 = max(lo, new.offsets[0]), min(hi, new.offsets[0] + new.rows)
                 b0, b1 = _byte_columns(spec, new)
-                if r0 >= r1 or b0 >= b1:
+                if r0 >= r1 or b0 >= b1 or me not in (src, dst):
+                    if r0 < r1 and b0 < b1 and src != dst:
+                        tags[src, dst] += 1
                     continue
                 src_b0 = b0 + _column_bytes(new) - _column_bytes(spec)
-                headers[dst] += [index, r0 - new.offsets[0], r1 - r0, b0, b1 - b0]
-                payload[dst].append(rows[r0 - lo : r1 - lo, src_b0 : src_b0 + b1 - b0].reshape(-1))
-    received = exchange({dst: pack(head, payload[dst]) for dst, head in headers.items()})
-    covered = [0] * len(state.segments)
-    for message in received.values():
-        words, data = unpack(message)
-        at = 0
-        for index, row, n, b0, width in words.view(-1, 5).tolist():
-            state.segments[index].row_view()[row : row + n, b0 : b0 + width] = data[at : at + n * width].view(n, width)
-            covered[index] += n * width
-            at += n * width
+                tag = tags[src, dst]
+                if src != dst:
+                    tags[src, dst] += 1
+                if src == me:
+                    rows = chunks[rank][piece.chunk][piece.slot * spec.row_bytes :][: (piece.row_hi - piece.row_lo) * spec.row_bytes]
+                    data = rows.view(-1, spec.row_bytes)[r0 - lo : r1 - lo, src_b0 : src_b0 + b1 - b0]
+                if dst == me:
+                    out = state.segments[index].row_view()[r0 - new.offsets[0] : r1 - new.offsets[0], b0:b1]
+                    covered[index] += out.numel()
+                if src == dst:
+                    out.copy_(data)
+                elif src == me:
+                    works.append(dist.isend(data if data.is_contiguous() else data.contiguous(), dst, tag=tag))
+                elif out.is_contiguous():
+                    works.append(dist.irecv(out.view(-1), src, tag=tag))
+                else:  # a column slice of the new rows: received whole, then copied in
+                    buffer = torch.empty(out.shape, dtype=torch.uint8)
+                    works.append(dist.irecv(buffer, src, tag=tag))
+                    copies.append((out, buffer))
+    for work in works:
+        work.wait()
+    for out, buffer in copies:
+        out.copy_(buffer)
     missing = [s.key for s, seg, got in zip(state.specs, state.segments, covered) if got != seg.rows * seg.row_bytes]
     failed = torch.tensor([len(missing) + len(changed)])
     dist.all_reduce(failed)

@@ -1,7 +1,7 @@
 /*
  * GF(2^8) multiply-accumulate kernels for lightning_dlrover.parity (CPU).
  *
- * Two operations, both over raw byte buffers:
+ * Two operations, both over raw byte buffers (and gather_xor, the row deltas parity commits send):
  *   matmul:      dst[j] = (accumulate ? dst[j] : 0) ^ XOR_i c[j][i] * src[i]      (j < r, i < k)
  *   update_rows: parity[p][rows[t]] ^= c[p] * delta[t]                            (p < P, t < m)
  * where a "row" is row_bytes consecutive bytes and parity shards lie shard_stride bytes apart.
@@ -475,7 +475,59 @@ fail:
     return NULL;
 }
 
+/* out[t] = table[rows[t]] ^ old[t] over rows of row_bytes bytes (t < m): one pass that gathers the current
+ * bytes of updated rows and XORs in their previous bytes, writing each delta once. */
+static void gather_xor(uint8_t *out, const uint8_t *table, const int64_t *rows, size_t m,
+                       const uint8_t *old, size_t row_bytes) {
+    for (size_t t = 0; t < m; t++) {
+        if (t + 4 < m) __builtin_prefetch(table + (size_t)rows[t + 4] * row_bytes, 0, 1);
+        const uint8_t *a = table + (size_t)rows[t] * row_bytes, *b = old + t * row_bytes;
+        uint8_t *d = out + t * row_bytes;
+        size_t i = 0;
+        for (; i + 8 <= row_bytes; i += 8) {
+            uint64_t x, y;
+            memcpy(&x, a + i, 8);
+            memcpy(&y, b + i, 8);
+            x ^= y;
+            memcpy(d + i, &x, 8);
+        }
+        for (; i < row_bytes; i++) d[i] = a[i] ^ b[i];
+    }
+}
+
+static PyObject *py_gather_xor(PyObject *self, PyObject *args) {
+    PyObject *out_obj, *table_obj, *rows_obj, *old_obj;
+    Py_ssize_t m, num_rows, row_bytes;
+    if (!PyArg_ParseTuple(args, "OOnOnOn", &out_obj, &table_obj, &num_rows, &rows_obj, &m, &old_obj,
+                          &row_bytes))
+        return NULL;
+    uint8_t *out = (uint8_t *)PyLong_AsVoidPtr(out_obj);
+    const uint8_t *table = (const uint8_t *)PyLong_AsVoidPtr(table_obj);
+    const int64_t *rows = (const int64_t *)PyLong_AsVoidPtr(rows_obj);
+    const uint8_t *old = (const uint8_t *)PyLong_AsVoidPtr(old_obj);
+    if (PyErr_Occurred()) return NULL;
+    if (m < 0 || num_rows < 0 || row_bytes < 1) {
+        PyErr_SetString(PyExc_ValueError, "gather_xor: bad sizes");
+        return NULL;
+    }
+    for (Py_ssize_t t = 0; t < m; t++) {
+        if (rows[t] < 0 || rows[t] >= num_rows) {
+            PyErr_Format(PyExc_ValueError, "rows[%zd] = %lld is out of range: the table has %zd rows",
+                         t, (long long)rows[t], num_rows);
+            return NULL;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    gather_xor(out, table, rows, (size_t)m, old, (size_t)row_bytes);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"gather_xor", py_gather_xor, METH_VARARGS,
+     "gather_xor(out: int, table: int, num_rows: int, rows: int, m: int, old: int, row_bytes: int) -> None\n\n"
+     "out[t] = table[rows[t]] ^ old[t] for t < m: rows of row_bytes bytes, rows int64 [m] in [0, num_rows);\n"
+     "raises ValueError, writing nothing, if a row is out of range. Buffers are addresses."},
     {"init", py_init, METH_VARARGS,
      "init(table: bytes) -> None\n\nSet the field: table[256 * a + b] = a * b (gf256.MUL_TABLE)."},
     {"isas", py_isas, METH_NOARGS,

@@ -116,3 +116,22 @@ if os.environ.get(ISA_ENV):
         set_isa(os.environ[ISA_ENV])
     except ValueError as error:
         raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: {error}") from None
+
+
+def has_raw_kernels() -> bool:
+    """Whether :func:`gather_xor_raw` and :func:`update_rows_raw` run (the C extension is built with them and in use);
+    callers fall back to torch operations (bit-identical) otherwise."""
+    return not _use_portable and hasattr(_gf256, "gather_xor")
+
+
+def gather_xor_raw(out: int, table: int, num_rows: int, rows: int, m: int, old: int, row_bytes: int) -> None:
+    """``out[t] = table[rows[t]] ^ old[t]`` for ``t < m`` over rows of ``row_bytes`` bytes, on buffer addresses (no
+    tensor views to build: the per-block cost of a parity commit). ``rows``: int64 [m] in ``[0, num_rows)``, else
+    ValueError and nothing written."""
+    _gf256.gather_xor(out, table, num_rows, rows, m, old, row_bytes)
+
+
+def update_rows_raw(parity: int, shard_stride: int, coefs: bytes, rows: int, m: int, num_rows: int, delta: int,
+                    row_bytes: int) -> None:
+    """:func:`update_rows` on buffer addresses: ``parity[p][rows[t]] ^= coefs[p] * delta[t]``."""
+    _gf256.update_rows(parity, shard_stride, coefs, rows, m, num_rows, delta, row_bytes)

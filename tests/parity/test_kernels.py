@@ -143,3 +143,21 @@ def test_missing_extension_falls_back_to_portable_with_a_warning(monkeypatch):
         monkeypatch.undo()
         importlib.reload(cpu)
         cpu.set_isa(previous)
+
+
+@pytest.mark.skipif(not hasattr(cpu._gf256, "gather_xor"), reason="the C extension is not built with gather_xor")
+@pytest.mark.parametrize("row_bytes", [4, 13, 256])
+def test_gather_xor_equals_index_select_xor(row_bytes):
+    rng = np.random.default_rng(row_bytes)
+    table = torch.from_numpy(rng.integers(0, 256, (500, row_bytes), dtype=np.uint8))
+    rows = torch.from_numpy(np.sort(rng.choice(500, 77, replace=False))).to(torch.int64)
+    old = torch.from_numpy(rng.integers(0, 256, (77, row_bytes), dtype=np.uint8))
+    out = torch.empty(77, row_bytes, dtype=torch.uint8)
+    cpu.gather_xor_raw(out.data_ptr(), table.data_ptr(), 500, rows.data_ptr(), 77, old.data_ptr(), row_bytes)
+    assert torch.equal(out, table.index_select(0, rows) ^ old)
+    bad = rows.clone()
+    bad[5] = 500
+    before = out.clone()
+    with pytest.raises(ValueError, match="out of range"):
+        cpu.gather_xor_raw(out.data_ptr(), table.data_ptr(), 500, bad.data_ptr(), 77, old.data_ptr(), row_bytes)
+    assert torch.equal(out, before)
