@@ -64,8 +64,10 @@ def take_rank_if_spare() -> membership.Assignment | None:
     index = os.environ.get(membership.SPARE_ENV)
     if not index:
         return None
-    assignment = membership.wait_for_assignment(membership.connect(), launch_index(), int(index))
+    store = membership.connect()
+    assignment = membership.wait_for_assignment(store, launch_index(), int(index))
     membership.become(assignment)
+    membership.announce_ready(store, launch_index(), assignment)
     return assignment
 
 
@@ -99,6 +101,10 @@ class InProcessRecovery:
         if host.global_rank in plan.lost:
             return None  # a rank the launcher believes dead must not come back as a survivor
         self.times.lost_at = plan.reported_at
+        if not membership.wait_for_replacements(self._store, launch_index(), plan):
+            emit("in_process_refused", why="the replacement did not start in time", error=str(error)[:200],
+                 message=f"rank {host.global_rank}: no replacement for ranks {plan.lost}: not recovering in process")
+            return None
         group.reconfigure(plan.generation)
         self.times.connected_at = time.time()
         return self._restore(host, survivor=True, lost=plan.lost)

@@ -34,6 +34,9 @@ JOINING_ENV = "LIGHTNING_DLROVER_JOINING"
 GENERATION_ENV = "LIGHTNING_DLROVER_GENERATION"
 #: Seconds a survivor waits for the launcher's recovery plan after a collective failed (default 10).
 PLAN_TIMEOUT_ENV = "LIGHTNING_DLROVER_PLAN_TIMEOUT"
+#: Seconds survivors wait for the replacements to start their process group (a cold start imports everything;
+#: default 600).
+REPLACEMENT_TIMEOUT_ENV = "LIGHTNING_DLROVER_REPLACEMENT_TIMEOUT"
 PREFIX = "lightning_dlrover/"
 
 
@@ -170,3 +173,20 @@ def publish_sharding_plan(store: Store, launch: int, plan: object) -> None:
 def read_sharding_plan(store: Store, launch: int) -> object:
     """The sharding plan rank 0 published for this launch (the job's own store: trusted like its rendezvous)."""
     return pickle.loads(store.get(PREFIX + f"{launch}/sharding_plan"))  # noqa: S301
+
+
+# ------------------------------------------------------------------------------------ replacements
+def announce_ready(store: Store, launch: int, assignment: Assignment) -> None:
+    """A replacement is about to connect generation ``assignment.generation`` of the world group."""
+    _set(store, f"{launch}/ready/{assignment.generation}/{assignment.rank}", str(os.getpid()))
+
+
+def wait_for_replacements(store: Store, launch: int, plan: Plan, timeout: float | None = None) -> bool:
+    """Whether every replacement of ``plan`` announced itself within ``timeout`` seconds."""
+    timeout = timeout if timeout is not None else float(os.environ.get(REPLACEMENT_TIMEOUT_ENV, "600"))
+    keys = [PREFIX + f"{launch}/ready/{plan.generation}/{rank}" for rank in plan.lost]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - the store raises on timeout
+        return False
+    return True
