@@ -196,7 +196,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    store, sock = serve_store(args.master) if args.node_rank == 0 else (membership.connect(), None)
+    store, sock = serve_store(args.master) if args.node_rank == 0 else (membership.connect(args.master), None)
     launcher = Launcher(args, store, args.run_id or f"dlrover-{uuid.uuid4().hex[:8]}")
     try:
         return launcher.run()

@@ -91,9 +91,9 @@ def joined() -> None:
     os.environ.pop(JOINING_ENV, None)
 
 
-def connect(timeout: float = 60.0) -> TCPStore:
-    """A client of the launcher's store (``$LIGHTNING_DLROVER_STORE``)."""
-    address = os.environ.get(STORE_ENV)
+def connect(address: str | None = None, timeout: float = 60.0) -> TCPStore:
+    """A client of the launcher's store at ``address`` (``host:port``; default ``$LIGHTNING_DLROVER_STORE``)."""
+    address = address or os.environ.get(STORE_ENV)
     if not address:
         raise RuntimeError(f"${STORE_ENV} is not set: in-process recovery needs `lightning-dlrover launch`.")
     host, _, port = address.rpartition(":")
