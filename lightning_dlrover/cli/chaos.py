@@ -246,7 +246,7 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     victim = "every rank" if args.kill_all else f"rank {args.kill_rank}" if args.in_process else f"node {args.kill_node}"
     lines = [
         f"nodes: {args.nodes} x {args.nproc_per_node} ranks; killed {victim} at step {args.at_step} ({args.phase}); "
-        f"replacement: {'yes' if args.replace else 'no' if args.kill_all else 'no (shrink)'}"
+        f"replacement: {f'a hot spare ({args.spares} per node)' if args.in_process and args.spares else 'started cold' if args.in_process else 'yes' if args.replace else 'no' if args.kill_all else 'no (shrink)'}"
         + (f", a node rejoins {args.rejoin_after} s after it resumed" if args.rejoin_after is not None else ""),
         f"node killed: {'yes' if kill is not None else 'no'}",
     ]
