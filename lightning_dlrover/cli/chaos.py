@@ -24,6 +24,8 @@ import argparse
 import contextlib
 import hashlib
 import os
+import random
+import signal
 import shutil
 import socket
 import subprocess
@@ -37,9 +39,10 @@ from pathlib import Path
 import psutil
 from torch.distributed import TCPStore
 
+from lightning_dlrover.fault import membership
 from lightning_dlrover.fault.injector import FAULT_ENV, PHASES
 from lightning_dlrover.fault.spill import SPILL_ENV
-from lightning_dlrover.monitor.events import EVENTS_ENV, Event, read_events
+from lightning_dlrover.monitor.events import EVENTS_ENV, Event, configure, emit, read_events
 from lightning_dlrover.strategy.dlrover import DIGEST_EVERY_ENV
 
 #: Restarted workers must not share the agents' store: they would read addresses the dead workers left there.
@@ -169,8 +172,11 @@ def _faulted_run(args: argparse.Namespace) -> tuple[bool, list[Event]]:
     deadline = time.time() + args.timeout
     if args.in_process:  # one rank dies; its launcher stays to hand the rank to a spare
         try:
+            fault = f"rank={args.kill_rank},step={args.at_step},phase={args.phase}"
             for index in range(args.nodes):
-                cluster.start_node(index, {FAULT_ENV: f"rank={args.kill_rank},step={args.at_step},phase={args.phase}"})
+                cluster.start_node(index, {FAULT_ENV: fault} if not args.kills else None)
+            if args.kills:
+                _kill_repeatedly(args, cluster, deadline)
             finished = all(a.wait(timeout=max(deadline - time.time(), 0.1)) == 0 for a in cluster.job.agents)
             return finished, cluster.job.events()
         except subprocess.TimeoutExpired:
@@ -204,6 +210,33 @@ def _faulted_run(args: argparse.Namespace) -> tuple[bool, list[Event]]:
         return False, cluster.job.events()
     finally:
         cluster.close()
+
+
+def _kill_repeatedly(args: argparse.Namespace, cluster: Cluster, deadline: float) -> None:
+    """SIGKILLs a random rank ``--kills`` times, each a random moment (up to ``--kill-jitter`` s) after the job
+    committed a step past the previous recovery; every kill is a ``fault_injected`` event of this runner."""
+    rng = random.Random(args.seed)
+    configure(cluster.job.workdir / "events.jsonl")
+    store = membership.connect(f"127.0.0.1:{cluster.port}")
+    world = args.nodes * args.nproc_per_node
+    last = 0.0
+    for _ in range(args.kills):
+        while time.time() < deadline:
+            if any(a.poll() is not None for a in cluster.job.agents):
+                return  # the job ended (or failed): nothing left to kill
+            if any(e.kind == "digest" and not e["final"] and e.time > last for e in cluster.job.events()):
+                break
+            time.sleep(0.1)
+        time.sleep(rng.uniform(0.0, args.kill_jitter))
+        rank = rng.randrange(world)
+        launch = sum(e.kind == "restarting_all" for e in cluster.job.events())
+        _, pid = membership.worker(store, launch, rank)
+        steps = [e.step for e in cluster.job.events() if e.kind == "digest" and not e["final"]]
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        last = time.time()
+        emit("fault_injected", step=max(steps, default=None), phase="random", target="rank", signal="SIGKILL",
+             committed_step=None, message=f"chaos: SIGKILLed rank {rank} (pid {pid})")
 
 
 def _digests(events: list[Event], after: float = 0.0) -> dict[int, str]:
@@ -278,6 +311,10 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     lines.append(f"steps lost: {lost}")
     if kill is not None and first is not None and kill.step is not None:
         lines.append(f"steps trained again: {kill.step - first.step} (the step in flight and any since the last commit)")
+    if len(injected) > 1:
+        generations = {e["lost_at"] for e in in_process}
+        restarts = sum(e.kind == "restarting_all" for e in events)
+        lines.append(f"kills: {len(injected)}; recovered in process: {len(generations)}; full restarts: {restarts}")
     lines.append(f"job finished: {'yes' if finished else 'no'}")
     lines.append(f"final digest: {finals[-1] if finals else 'none'}")
     if fault_free is not None:
@@ -300,6 +337,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="launch with `lightning-dlrover launch` and kill one rank: survivors recover in process")
     parser.add_argument("--spares", type=int, default=1, help="hot spares per node (--in-process)")
     parser.add_argument("--kill-rank", type=int, default=0, help="rank to kill (--in-process)")
+    parser.add_argument("--kills", type=int, default=0,
+                        help="--in-process: instead, SIGKILL a random rank this many times at random moments")
+    parser.add_argument("--kill-jitter", type=float, default=1.0, help="--kills: up to this many seconds after a step")
+    parser.add_argument("--seed", type=int, default=0, help="--kills: seed of the random ranks and moments")
     parser.add_argument("--kill-all", action="store_true",
                         help="SIGKILL every rank at once (agents live on and restart them; nobody can spill)")
     parser.add_argument("--at-step", type=int, required=True, help="training step at which the node dies")

@@ -80,6 +80,8 @@ class Launcher:
         env = self.env(rank, local_rank, spare)
         worker = Worker(subprocess.Popen([sys.executable, *self.args.program], env=env), rank, spare)
         self.workers.append(worker)
+        if rank is not None:
+            membership.publish_worker(self.store, self.restarts, rank, socket.gethostname(), worker.process.pid)
         return worker
 
     def start(self) -> None:
@@ -87,8 +89,8 @@ class Launcher:
         first = a.node_rank * a.nproc_per_node
         for local in range(a.nproc_per_node):
             self.spawn(first + local, local)
-        for spare in range(a.spares):
-            self.spawn(None, a.nproc_per_node + spare)
+        for _ in range(a.spares):
+            self.spawn(None, 0)
 
     def stop(self) -> None:
         for worker in self.workers:
@@ -99,24 +101,24 @@ class Launcher:
         self.workers = []
 
     def replace(self, lost: list[Worker]) -> None:
-        """Hands the ``lost`` ranks to spares (the oldest first, on any machine; a new process where the pool is
-        empty), publishes the recovery plan for the survivors and refills this machine's pool."""
+        """Hands the ``lost`` ranks to this machine's spares (the oldest first; a new process where none is left),
+        publishes the recovery plan for the survivors and refills the pool of hot spares."""
+        idle = [w for w in self.workers if w.rank is None and w.process.poll() is None]
         replacements: dict[int, int] = {}
         cold: list[int] = []
         for worker in lost:
-            claimed = membership.claim_spare(self.store, self.restarts)
-            if claimed is None:  # no hot spare left: a new process takes the rank (it imports everything first)
-                cold.append(worker.rank)
-                claimed = self.spawn(None, self.args.nproc_per_node + len(self.workers)).spare
-                membership.claim_spare(self.store, self.restarts)
-            replacements[worker.rank] = claimed
             self.workers.remove(worker)
+            if idle:
+                spare = idle.pop(0)
+            else:  # no hot spare left: a new process takes the rank (it imports everything first)
+                cold.append(worker.rank)
+                spare = self.spawn(None, 0)
+            spare.rank = worker.rank
+            replacements[worker.rank] = spare.spare
+            membership.publish_worker(self.store, self.restarts, spare.rank, socket.gethostname(), spare.process.pid)
         plan = membership.publish_plan(self.store, self.restarts, sorted(replacements), self.world_size, replacements)
-        for worker in self.workers:
-            if worker.rank is None and worker.spare in replacements.values():
-                worker.rank = next(r for r, s in replacements.items() if s == worker.spare)
         for _ in range(len(replacements) - len(cold)):  # keep this machine's pool of hot spares full
-            self.spawn(None, self.args.nproc_per_node + len(self.workers))
+            self.spawn(None, 0)
         emit("replacement_planned", generation=plan.generation, lost_ranks=plan.lost,
              replacements={str(k): v for k, v in plan.replacements.items()}, cold=cold,
              message=f"generation {plan.generation}: ranks {plan.lost} replaced by spares {plan.replacements}"

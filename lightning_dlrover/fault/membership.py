@@ -3,9 +3,10 @@ launcher's store so that no worker's death takes them with it.
 
 Keys (all under ``lightning_dlrover/<launch>/``, ``<launch>`` counting the launcher's full restarts):
 
-- ``spares``: count of spares that ever registered; ``spare/<i>``: ``host:pid`` of spare ``i``;
-  ``spares_claimed``: count of spares handed a rank (spares are used in registration order).
-- ``assign/<i>``: the :class:`Assignment` of spare ``i`` (JSON), written when it takes a lost rank.
+- ``spares``: count of spares that ever registered (their indices); ``spare/<i>``: the host of spare ``i``.
+  A launcher hands lost ranks to its own machine's spares.
+- ``assign/<i>``: the :class:`Assignment` of spare ``i`` (JSON), written when it takes a lost rank;
+  ``ready/<g>/<rank>``: the replacement is connecting generation ``g``; ``rank/<r>``: ``host:pid`` holding ``r``.
 - ``generation``: the newest communicator generation; ``plan/<g>``: the :class:`Plan` that starts
   generation ``g`` (JSON), written by the launcher that saw the loss.
 
@@ -128,15 +129,6 @@ def wait_for_assignment(store: Store, launch: int, index: int) -> Assignment:
     return Assignment(**json.loads(store.get(key)))
 
 
-def claim_spare(store: Store, launch: int) -> int | None:
-    """Takes the oldest unclaimed spare of launch ``launch``; ``None`` when the pool is empty."""
-    claimed = int(store.add(PREFIX + f"{launch}/spares_claimed", 1)) - 1
-    if claimed < int(store.add(PREFIX + f"{launch}/spares", 0)):
-        return claimed
-    store.add(PREFIX + f"{launch}/spares_claimed", -1)
-    return None
-
-
 # ----------------------------------------------------------------------------------- recovery plans
 def publish_plan(store: Store, launch: int, lost: list[int], world_size: int, spares: dict[int, int]) -> Plan:
     """Starts a new generation of launch ``launch`` that replaces ``lost`` by ``spares`` (``rank -> spare
@@ -190,3 +182,15 @@ def wait_for_replacements(store: Store, launch: int, plan: Plan, timeout: float 
     except Exception:  # noqa: BLE001 - the store raises on timeout
         return False
     return True
+
+
+# ------------------------------------------------------------------------------------------ workers
+def publish_worker(store: Store, launch: int, rank: int, host: str, pid: int) -> None:
+    """Records which process holds ``rank`` (drills and operators read it)."""
+    _set(store, f"{launch}/rank/{rank}", f"{host}:{pid}")
+
+
+def worker(store: Store, launch: int, rank: int) -> tuple[str, int]:
+    """``(host, pid)`` of the process holding ``rank`` in launch ``launch``."""
+    host, _, pid = _get(store, f"{launch}/rank/{rank}").rpartition(":")
+    return host, int(pid)
