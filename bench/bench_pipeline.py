@@ -141,7 +141,7 @@ def ingestion(args, paths) -> list[dict]:
         row, _ = run_variant(source, tuner, args)
         rows.append(row)
         print(f"  {row['name']}: {row['overall']:.0f} samples/s overall, final {row['final']}", flush=True)
-    grid = default_grid(budget, parse=sorted({1, 2, max(1, cores // 2), max(1, cores - 2), cores}),
+    grid = default_grid(budget, parse=sorted({0, 1, 2, max(1, cores // 2), max(1, cores - 2), cores}),
                         transform=sorted({0, 1, 2, max(1, cores // 4)}))
     search = GridSearchTuner(grid)
     t0 = time.perf_counter()
