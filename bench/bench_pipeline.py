@@ -62,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--memory-mb", type=int, default=1024, help="pipeline memory budget")
     p.add_argument("--train-devices", default=None, help="training ranks to try, e.g. 1,2 (default 1,2; quick 1)")
     p.add_argument("--train-steps", type=int, default=None, help="training steps per fit (default 60; quick 30)")
+    p.add_argument("--rounds", type=int, default=None, help="training rounds, variants in ABBA order (default 2; quick 1)")
     p.add_argument("--skip-ingestion", action="store_true")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench_pipeline")
     # internal: one training fit (re-run by Lightning's launcher for every rank)
@@ -73,6 +74,7 @@ def parse_args(argv=None):
     args.window = args.window or (1.0 if args.quick else 2.0)
     args.train_devices = [int(d) for d in (args.train_devices or ("1" if args.quick else "1,2")).split(",") if d]
     args.train_steps = args.train_steps or (30 if args.quick else 60)
+    args.rounds = args.rounds or (1 if args.quick else 2)
     return args
 
 
@@ -111,6 +113,26 @@ def run_reference(source, args) -> dict:
             "peak": nbytes * 3, "time_to_95": None, "resets": 0}
 
 
+def parse_speed(path: Path, lines: int = 50_000) -> None:
+    """Lines/s of the per-field reference parse and of the vectorised block parse (+ transform), same lines."""
+    import torch
+
+    from lightning_dlrover.data.tsv_parse import parse_block, parse_lines_reference, transform
+
+    with open(path, "rb") as f:
+        block = b"".join(f.readline() for _ in range(lines))
+    split = block.splitlines(keepends=True)
+    t0 = time.perf_counter()
+    want = parse_lines_reference(split, SIZES)
+    ref = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = transform(parse_block(block), SIZES)
+    vec = time.perf_counter() - t0
+    same = all(torch.equal(a, b) for a, b in zip(got, want))
+    print(f"parse of {lines} lines: per-field {lines / ref:.0f} lines/s, vectorised {lines / vec:.0f} lines/s "
+          f"({ref / vec:.1f}x), identical output: {same}", flush=True)
+
+
 def run_variant(source, tuner, args, seconds=None) -> tuple[dict, object]:
     from lightning_dlrover.data.pipeline import PipelinedLoader
     from lightning_dlrover.pipeline import run_ingestion
@@ -131,6 +153,7 @@ def ingestion(args, paths) -> list[dict]:
 
     source = CriteoTSV(paths, SIZES)
     len(source)  # build the line index once, outside the timings
+    parse_speed(paths[0])
     cores = args.cpus or available_cores()
     budget = Budget(cpus=cores, memory_bytes=args.memory_mb << 20)
     print(f"ingestion only: {len(source)} samples, batch {args.batch}, {args.seconds:.0f} s per variant, "
@@ -141,7 +164,7 @@ def ingestion(args, paths) -> list[dict]:
         row, _ = run_variant(source, tuner, args)
         rows.append(row)
         print(f"  {row['name']}: {row['overall']:.0f} samples/s overall, final {row['final']}", flush=True)
-    grid = default_grid(budget, parse=sorted({1, 2, max(1, cores // 2), max(1, cores - 2), cores}),
+    grid = default_grid(budget, parse=sorted({0, 1, 2, max(1, cores // 2), max(1, cores - 2), cores}),
                         transform=sorted({0, 1, 2, max(1, cores // 4)}))
     search = GridSearchTuner(grid)
     t0 = time.perf_counter()
@@ -166,7 +189,8 @@ def ingestion(args, paths) -> list[dict]:
     print(f"\nIngestion only ({cores} worker budget, {args.memory_mb} MiB; oracle = best of grid: {best.short()}, "
           f"{oracle:.0f} samples/s; {oracle_row['grid']})")
     print(table(header, body), flush=True)
-    png = plot(args.out / "ingestion.png", [r["trace"] for r in rows if "trace" in r and r["name"] in ("rl", "hill_climb")],
+    png = plot(args.out / "ingestion.png", [r["trace"] for name in ("rl", "hill_climb") for r in rows
+                                            if r["name"] == name and "trace" in r],
                budget.memory_bytes, "ingestion only: rl vs hill_climb")
     print(f"plot: {png}")
     return rows
@@ -221,37 +245,49 @@ def train_worker(args) -> None:
 
 
 def training(args) -> list[dict]:
+    import statistics
+
     from lightning_dlrover.pipeline.report import table
 
     results = []
     for devices in args.train_devices:
-        for variant in VARIANTS:
-            cmd = [sys.executable, __file__, "--train-worker", variant, "--devices", str(devices), "--data",
-                   str(args.data), "--files", str(args.files), "--train-batch", str(args.train_batch), "--train-steps",
-                   str(args.train_steps), "--window", str(args.window), "--memory-mb", str(args.memory_mb),
-                   "--out", str(args.out)] + (["--cpus", str(args.cpus)] if args.cpus else [])
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-            line = next((l for l in proc.stdout.splitlines() if l.startswith("BENCH_RESULT ")), None)
-            if line is None:
-                print(f"  {variant} x{devices}: FAILED (exit {proc.returncode})\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-                continue
-            result = json.loads(line[len("BENCH_RESULT "):])
-            results.append(result)
-            print(f"  {variant} x{devices}: {result['samples_per_sec']:.0f} samples/s, data wait "
-                  f"{result['data_wait_share']:.0%} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    header = ["ranks", "variant", "samples/s", "x in_process", "data wait", "final config", "pipeline peak MiB",
-              "rank peak RSS MiB"]
+        for round_ in range(args.rounds):
+            for variant in (VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]):  # ABBA: drift cancels out
+                cmd = [sys.executable, __file__, "--train-worker", variant, "--devices", str(devices), "--data",
+                       str(args.data), "--files", str(args.files), "--train-batch", str(args.train_batch),
+                       "--train-steps", str(args.train_steps), "--window", str(args.window), "--memory-mb",
+                       str(args.memory_mb), "--out", str(args.out)] + (["--cpus", str(args.cpus)] if args.cpus else [])
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+                t0 = time.perf_counter()
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+                line = next((l for l in proc.stdout.splitlines() if l.startswith("BENCH_RESULT ")), None)
+                if line is None:
+                    print(f"  {variant} x{devices}: FAILED (exit {proc.returncode})\n{proc.stdout[-2000:]}"
+                          f"{proc.stderr[-3000:]}")
+                    continue
+                result = json.loads(line[len("BENCH_RESULT "):])
+                results.append(result)
+                print(f"  round {round_} {variant} x{devices}: {result['samples_per_sec']:.0f} samples/s, data wait "
+                      f"{result['data_wait_share']:.0%}, final {result['final']} ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+    header = ["ranks", "variant", "samples/s (median)", "each run", "x in_process", "data wait", "final config",
+              "pipeline peak MiB", "rank peak RSS MiB"]
     body = []
-    for r in results:
-        base = next((b for b in results if b["devices"] == r["devices"] and b["variant"] == "in_process"), None)
-        body.append([str(r["devices"]), r["variant"], f"{r['samples_per_sec']:.0f}",
-                     f"{r['samples_per_sec'] / base['samples_per_sec']:.2f}" if base else "-",
-                     f"{r['data_wait_share']:.0%}", r["final"], f"{r['pipeline_peak_bytes'] / 2**20:.0f}",
-                     f"{r['peak_rss_bytes'] / 2**20:.0f}"])
-    print(f"\nFeeding training ({args.train_steps} steps, global batch {args.train_batch}, demo DLRM, gloo on CPU; "
-          f"pipeline budget per rank: cores left after the ranks, {args.memory_mb} MiB)")
+    for devices in args.train_devices:
+        runs = {v: [r for r in results if r["devices"] == devices and r["variant"] == v] for v in VARIANTS}
+        base = statistics.median([r["samples_per_sec"] for r in runs["in_process"]]) if runs["in_process"] else None
+        for variant, rs in runs.items():
+            if not rs:
+                continue
+            med = statistics.median([r["samples_per_sec"] for r in rs])
+            body.append([str(devices), variant, f"{med:.0f}", "/".join(f"{r['samples_per_sec']:.0f}" for r in rs),
+                         f"{med / base:.2f}" if base else "-",
+                         f"{statistics.median([r['data_wait_share'] for r in rs]):.0%}", rs[-1]["final"],
+                         f"{max(r['pipeline_peak_bytes'] for r in rs) / 2**20:.0f}",
+                         f"{max(r['peak_rss_bytes'] for r in rs) / 2**20:.0f}"])
+    print(f"\nFeeding training ({args.train_steps} steps, global batch {args.train_batch}, demo DLRM, gloo on CPU, "
+          f"{args.rounds} rounds in ABBA order; pipeline budget per rank: cores left after the ranks, "
+          f"{args.memory_mb} MiB)")
     print(table(header, body), flush=True)
     return results
 

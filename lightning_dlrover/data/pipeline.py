@@ -273,6 +273,9 @@ def shutdown_nodes(node: Any) -> None:
     for obj in objs:
         if hasattr(obj, "_shutdown"):
             obj._shutdown()
+    for obj in objs:  # a worker forked later inherits these objects: leave its finalizers nothing to wait for
+        if getattr(obj, "_workers", None):
+            obj._workers = []
 
 
 def build_graph(source: CriteoTSV, rank: int, world_size: int, batch_size: int, start: int, config: PipelineConfig,

@@ -118,10 +118,10 @@ class HillClimbTuner(_Trials):
 def default_grid(budget: Budget, read: Iterable[int] = (0, 1), parse: Iterable[int] | None = None,
                  transform: Iterable[int] | None = None, assemble: Iterable[int] = (0, 1),
                  prefetch: Iterable[int] = (2, 4)) -> list[PipelineConfig]:
-    """Every combination of the given worker counts (default parse 1..cpus, transform 0..cpus/4) and prefetch
+    """Every combination of the given worker counts (default parse 0..cpus, transform 0..cpus/4) and prefetch
     depths whose total workers fit the CPU budget."""
-    parse = list(parse or range(1, budget.cpus + 1))
-    transform = list(transform or range(0, max(1, budget.cpus // 4) + 1))
+    parse = list(range(0, budget.cpus + 1) if parse is None else parse)
+    transform = list(range(0, max(1, budget.cpus // 4) + 1) if transform is None else transform)
     grid = [PipelineConfig(r, p, t, a, q) for r, p, t, a, q in itertools.product(read, parse, transform, assemble, prefetch)]
     return [c for c in grid if c.total_workers <= budget.cpus]
 
