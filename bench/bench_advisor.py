@@ -16,19 +16,21 @@ tables of ``--rows`` x 16 under ``DLRoverStrategy``, table-wise, gloo on CPU, Li
    reported beside the floor, fitted on per-visit medians (the advisor's way) and on per-visit means.
 3. **Recommendation.** A history gets one earlier advisor job per other world size (a typical configuration,
    its profiling window). Then a job starts at the poor configuration (3 ranks of 1 thread on 2 cores, 1 data
-   worker each, batch 64: more processes than cores and a small batch), warm-starts from the history, profiles, and recommends; the recommendation's
-   grid throughput is compared with the grid's best and with the poor configuration's.
+   worker each, batch 64: more processes than cores and a small batch) twice: *cold* (no history: its own
+   probes, its own world size) and *warm* (warm start from the history, then its probes). Each
+   recommendation's grid throughput is compared with the grid's best (overall and at 3 ranks) and with the
+   poor configuration's.
 4. **JCT.** ``--samples`` samples trained: (a) at the poor configuration without the advisor; (b) at the poor
    configuration with the advisor (``apply=True``, ``restart="stop"``): it applies live knobs and stops for a
    restart when the world size must change, and the benchmark restarts the job at the recommended
    configuration for the remaining samples (as an operator or a scheduler would); (c) at the grid's best
-   configuration (the oracle). Wall time of every process tree, start-up included.
+   configuration (the oracle). Wall time of every process tree, start-up included, and training seconds.
 5. **Straggler delay.** 2 ranks; from step 15 rank 1 burns 40 ms of CPU per step; checks every 5 steps.
 6. **OOM lead time.** 2 ranks keep 4 MiB more per step from step 5; the node's limit is its memory then plus
    320 MiB; steps and seconds between the first forecast and the step that crosses the limit.
 
-    PYTHONPATH=. python bench/bench_advisor.py            # about 12 minutes on 2 shared cores
-    PYTHONPATH=. python bench/bench_advisor.py --quick    # about 5 minutes: smaller grid, 2 repeats
+    PYTHONPATH=. python bench/bench_advisor.py            # 11-15 minutes on 2 shared cores
+    PYTHONPATH=. python bench/bench_advisor.py --quick    # about 6 minutes: batches 64, 512; 2 visits; 60k samples
 """
 
 from __future__ import annotations
