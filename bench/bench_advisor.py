@@ -30,7 +30,7 @@ tables of ``--rows`` x 16 under ``DLRoverStrategy``, table-wise, gloo on CPU, Li
    320 MiB; steps and seconds between the first forecast and the step that crosses the limit.
 
     PYTHONPATH=. python bench/bench_advisor.py            # 11-15 minutes on 2 shared cores
-    PYTHONPATH=. python bench/bench_advisor.py --quick    # about 6 minutes: batches 64, 512; 2 visits; 60k samples
+    PYTHONPATH=. python bench/bench_advisor.py --quick    # 6-10 minutes: batches 64, 512; 2 visits; 60k samples
 """
 
 from __future__ import annotations
