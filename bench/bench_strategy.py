@@ -62,6 +62,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from lightning_dlrover import DLRoverStrategy
 from lightning_dlrover.data import DLRMDataModule
+from lightning_dlrover.data import ResumableLoader
 from lightning_dlrover.data.sources import NUM_DENSE, NUM_SPARSE, SPARSE_NAMES, SyntheticCriteo
 from lightning_dlrover.models import DLRMModule
 from lightning_dlrover.models.dlrm import table_name
@@ -248,9 +249,9 @@ def loop_worker(rank: int, args: argparse.Namespace, port: int) -> None:
     dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
     optimizer = torch.optim.Adagrad(dense, lr=LR)
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    source = SyntheticCriteo([args.rows] * NUM_SPARSE, args.batch, args.warmup + args.steps, seed=SEED)
+    source = SyntheticCriteo([args.rows] * NUM_SPARSE, args.batch * (args.warmup + args.steps), seed=SEED)
     ends = []
-    for batch in source.iter_rank_batches(0, rank, world_size):
+    for batch in ResumableLoader(source, rank, world_size, args.batch):
         logits = dmp(batch.dense_features, batch.sparse_features).squeeze(-1)
         loss_fn(logits, batch.labels).backward()
         optimizer.step()

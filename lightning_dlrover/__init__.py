@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_dlrover.advisor import ResourceAdvisor
 from lightning_dlrover.fault import FaultInjector, ParityConfig, elastic_trainer_args
 from lightning_dlrover.monitor import StateDigest, ThroughputMonitor
+from lightning_dlrover.pipeline import PipelineTuner
 from lightning_dlrover.strategy import DLRoverStrategy, TableConstraint
 
 DLRoverStrategy.register_strategies(StrategyRegistry)
@@ -14,6 +15,7 @@ __all__ = [
     "DLRoverStrategy",
     "FaultInjector",
     "ParityConfig",
+    "PipelineTuner",
     "ResourceAdvisor",
     "StateDigest",
     "TableConstraint",

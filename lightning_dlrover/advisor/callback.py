@@ -17,7 +17,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -26,18 +26,21 @@ from typing_extensions import override
 
 from lightning_dlrover.advisor import control
 from lightning_dlrover.advisor.detectors import OOMForecaster, StragglerDetector
-from lightning_dlrover.advisor.history import JobHistory, resolve_url
 from lightning_dlrover.advisor.model import Observation, PerformanceModel
 from lightning_dlrover.advisor.probe import Segment, probe_schedule
 from lightning_dlrover.advisor.recommend import Recommendation, recommend
-from lightning_dlrover.advisor.replan import ReplanAdvice, plan_placement, rank_loads
+from lightning_dlrover.advisor.replan import ReplanAdvice, rank_loads, strategy_placement, table_features
 from lightning_dlrover.advisor.report import plot, summary_table
 from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
+from lightning_dlrover.advisor.restart import RestartDecision, RestartMode, decide_restart, program_argv
 from lightning_dlrover.advisor.runtime import RuntimeWatch, background_cores, broadcast, cpu_snapshot, gather
 from lightning_dlrover.advisor.signature import signature_of
 from lightning_dlrover.advisor.warmstart import warm_start
 from lightning_dlrover.monitor import ThroughputMonitor, emit
-from lightning_dlrover.monitor.throughput import _infer_batch_size
+from lightning_dlrover.monitor.timing import _infer_batch_size
+
+if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
+    from lightning_dlrover.advisor.history import JobHistory
 
 
 def check_history_url(history: str | None) -> None:
@@ -45,6 +48,8 @@ def check_history_url(history: str | None) -> None:
     if history is None or history in ("user", "run"):
         return
     import sqlalchemy as sa
+
+    from lightning_dlrover.advisor.history import resolve_url
 
     url = resolve_url(history)
     try:
@@ -80,6 +85,9 @@ class ResourceAdvisor(Callback):
         cost_per_node_hour, cost_per_core_hour: prices for the ``cost`` objective.
         extrapolate: allow recommending world sizes / workers outside the measured ones.
         report_dir: where the table, plot and ``advice.json`` go (default ``<default_root_dir>/advisor``).
+        restart: what to do when the recommendation needs a restart (world size, nodes): ``"print"`` the command,
+            config and Kubernetes changes and train on; ``"stop"``: also save a checkpoint at that step boundary and
+            stop the fit, for a relaunch with the printed command (see :mod:`~lightning_dlrover.advisor.restart`).
     """
 
     def __init__(self, profile_steps: int = 30, probe_steps: int = 6, settle_steps: int = 2, apply: bool = False,
@@ -88,7 +96,8 @@ class ResourceAdvisor(Callback):
                  min_similarity: float = 0.3, check_every_n_steps: int = 10, straggler_threshold: float = 1.5,
                  straggler_patience: int = 2, memory_limit_bytes: int | None = None,
                  oom_horizon_steps: int | None = None, hot_rank_factor: float = 1.5, cost_per_node_hour: float = 1.0,
-                 cost_per_core_hour: float = 0.0, extrapolate: bool = False, report_dir: str | None = None) -> None:
+                 cost_per_core_hour: float = 0.0, extrapolate: bool = False, report_dir: str | None = None,
+                 restart: RestartMode = "print") -> None:
         if profile_steps < 0:
             raise ValueError(f"ResourceAdvisor(profile_steps={profile_steps}): the profiling window must be >= 0 steps.")
         if settle_steps < 0 or probe_steps <= settle_steps:
@@ -101,6 +110,11 @@ class ResourceAdvisor(Callback):
         if objective not in ("throughput", "cost"):
             raise ValueError(f"ResourceAdvisor(objective={objective!r}) must be 'throughput' or 'cost'.")
         check_history_url(history)
+        if restart not in ("print", "stop"):
+            raise ValueError(f"ResourceAdvisor(restart={restart!r}) must be 'print' or 'stop'.")
+        self.restart_mode = restart
+        #: The last restart decision (every rank), ``None`` when no change needed a restart.
+        self.restart: RestartDecision | None = None
         self.profile_steps, self.probe_steps, self.settle_steps = profile_steps, probe_steps, settle_steps
         self.apply, self.objective, self.target = apply, objective, target_samples_per_sec
         self.search = SearchSpace(**search) if isinstance(search, dict) else search
@@ -133,7 +147,7 @@ class ResourceAdvisor(Callback):
         self.machine = Machine.detect()
         # Read the tables now: the strategy's set-up (after this hook) replaces them with sharded modules.
         self._unsharded = signature_of(pl_module, 1, (), self.machine)
-        self._features = _table_features(pl_module)
+        self._features = table_features(pl_module)
         self.oom = OOMForecaster(self.memory_limit or self.machine.memory_bytes, horizon_steps=10**9)
         self._started = False
 
@@ -165,7 +179,7 @@ class ResourceAdvisor(Callback):
             data_workers=(0, 1, 2) if data_ctl else (workers,),
         )
         strategy = trainer.strategy
-        self.placement = _placement(strategy)
+        self.placement = strategy_placement(strategy)
         types = tuple(sorted({shards[0][3] for shards in self.placement.values() if shards}))
         self.signature = dataclasses.replace(self._unsharded, global_batch=self.current.global_batch, sharding_types=types)
         self.watch = RuntimeWatch(self.stragglers, self.oom, self.hot_factor, self.signature.tables,
@@ -190,6 +204,8 @@ class ResourceAdvisor(Callback):
     def _warm_start(self, trainer: Trainer) -> ResourceConfig | None:
         if self.history_setting is None:
             return None
+        from lightning_dlrover.advisor.history import JobHistory, resolve_url
+
         self.history = JobHistory(resolve_url(self.history_setting, trainer.default_root_dir))
         run_id = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
         self._job_id = self.history.start_job(run_id, self.signature.to_dict(), self.signature.key(), self.current.to_dict(),
@@ -284,7 +300,7 @@ class ResourceAdvisor(Callback):
         if self.apply and live:
             control.apply_live(live, trainer.callbacks)
             self.current = self.current.with_(**live)
-        restart = control.restart_instructions(self.current, target, trainer.callbacks, _program())
+        restart = self._restart_decision(trainer, target)
         if trainer.is_global_zero:
             gain = self.recommendation.gain if stage == "profile" and self.recommendation else None
             applied = live if self.apply else {}
@@ -292,11 +308,29 @@ class ResourceAdvisor(Callback):
                   + (f" ({gain:.2f}x predicted)" if gain else "")
                   + (f"; applied live: {applied}" if applied else "; live knobs not applied (apply=False)" if live else ""),
                   flush=True)
+            self._restart_text = restart.text() if restart else ""
             if restart:
-                print(restart, flush=True)
-            self._restart_text = restart
+                print(self._restart_text, flush=True)
             emit("advice", step=trainer.global_step, stage=stage, current=self.current.to_dict(),
-                 recommended=target.to_dict(), predicted_gain=gain, applied=applied, restart=restart)
+                 recommended=target.to_dict(), predicted_gain=gain, applied=applied, restart=self._restart_text,
+                 elapsed_s=time.time() - self._start_time)
+            if restart:
+                emit("restart", step=trainer.global_step, **restart.event_fields())
+        if restart and restart.how == "checkpoint":
+            trainer.should_stop = True
+
+    def _restart_decision(self, trainer: Trainer, target: ResourceConfig) -> RestartDecision | None:
+        """Decides how to reach ``target`` (every rank); with ``restart="stop"`` saves the checkpoint (collective)."""
+        from lightning_dlrover.fault.launcher import node_range
+
+        checkpoint = None
+        if self.restart_mode == "stop" and control.needs_restart(self.current, target, trainer.callbacks):
+            out = Path(self.report_dir or Path(trainer.default_root_dir) / "advisor")
+            checkpoint = str((out / f"restart-step={trainer.global_step}.ckpt").resolve())
+            trainer.save_checkpoint(checkpoint)
+        self.restart = decide_restart(self.current, target, trainer.callbacks, program_argv(), self.restart_mode,
+                                      checkpoint, node_range())
+        return self.restart
 
     # ------------------------------------------------------------------------------------------------ checks
     def _replan(self, trainer: Trainer) -> None:
@@ -371,27 +405,3 @@ class ResourceAdvisor(Callback):
                       "pooling_factors": self.replan_advice.pooling_factors}}
         (out / "advice.json").write_text(json.dumps(advice, indent=2))
 
-
-def _placement(strategy: Any) -> dict:
-    plan = getattr(getattr(strategy, "model", None), "plan", None)
-    return plan_placement(plan) if plan is not None and hasattr(plan, "plan") else {}
-
-
-def _table_features(module: torch.nn.Module) -> dict[str, list[str]]:
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-
-    out = {}
-    for child in module.modules():
-        if isinstance(child, EmbeddingBagCollection):
-            out.update({c.name: list(c.feature_names) for c in child.embedding_bag_configs()})
-        elif isinstance(child, EmbeddingCollection):
-            out.update({c.name: list(c.feature_names) for c in child.embedding_configs()})
-    return out
-
-
-def _program() -> list[str]:
-    """This process's command line as ``torchrun`` arguments (``-m package`` for ``python -m``)."""
-    argv = list(sys.argv)
-    if argv and argv[0].endswith("__main__.py"):
-        return ["-m", Path(argv[0]).parent.name, *argv[1:]]
-    return argv

@@ -24,6 +24,11 @@ cores a rank's data workers keep busy; a rank computes on ``p = t q`` cores.
                + th5 2 b D (W - 1) / W       all-to-all of pooled embeddings, fwd + bwd         [float]
                + th6 (W - 1)                 per-peer latency of the step's collectives         [peer]
                + th7 2 P (W - 1) / W         ring all-reduce of the dense gradients             [float]
+               + th8 o [t > 1]               intra-op thread pools on fewer free cores than     [1]
+                                             threads: every parallel region waits at its barrier
+                                             for a descheduled sibling (per step, not per sample;
+                                             measured here: 10-40x slower steps with 2 threads
+                                             per rank while other programs hold the cores)
 
 2. Making a batch (measured as the data wait of jobs whose batches are made in the training process,
    ``d = 0``), seconds per step::
@@ -58,12 +63,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import nnls
 
 from lightning_dlrover.advisor.resources import ResourceConfig
 
-TRAIN_TERMS = ("fixed", "dense", "embedding", "serial", "oversubscription", "all_to_all", "peers", "all_reduce")
-TRAIN_UNITS = ("s", "s/(sample/core)", "s/(float/core)", "s/sample", "s/sample", "s/float", "s/peer", "s/float")
+TRAIN_TERMS = ("fixed", "dense", "embedding", "serial", "oversubscription", "all_to_all", "peers", "all_reduce",
+               "thread_spin")
+TRAIN_UNITS = ("s", "s/(sample/core)", "s/(float/core)", "s/sample", "s/sample", "s/float", "s/peer", "s/float", "s")
 MAKE_TERMS = ("fixed", "per_rank_sample", "global_sample")
 WAIT_TERMS = ("hand_over",)
 MEMORY_TERMS = ("base", "embedding", "per_sample")
@@ -160,8 +165,9 @@ def train_features(c: ResourceConfig, shape: JobShape, cores: float, u: float = 
     q, p, o = _speeds(c, cores, u)
     w, b, d = c.world_size, c.batch_per_rank, shape.pooled_floats
     remote = (w - 1) / w
+    spin = o if c.threads_per_rank > 1 else 0.0
     return np.array([1.0, b / p, w * b * shape.share(w) * d / p, b / q, b * o, 2 * b * d * remote, w - 1.0,
-                     2 * shape.dense_params * remote])
+                     2 * shape.dense_params * remote, spin])
 
 
 def make_features(c: ResourceConfig, q: float) -> np.ndarray:
@@ -187,6 +193,8 @@ def fit_nnls(x: np.ndarray, y: np.ndarray, weights: np.ndarray, prior: np.ndarra
     lam = math.sqrt(ridge * len(y))
     a = np.vstack([a, lam * np.eye(x.shape[1])])
     target = np.concatenate([target, lam * base])
+    from scipy.optimize import nnls  # scipy is imported when a model is fitted, not with the package
+
     theta, _ = nnls(a, target, maxiter=50 * x.shape[1])
     return theta * y_scale / col
 
@@ -319,7 +327,8 @@ class PerformanceModel:
     @classmethod
     def from_dict(cls, data: dict) -> PerformanceModel:
         coef = data["coefficients"]
-        model = cls(train=np.array([coef["train"][t] for t in TRAIN_TERMS]),
+        # terms added since a record was written count as 0
+        model = cls(train=np.array([coef["train"].get(t, 0.0) for t in TRAIN_TERMS]),
                     wait=np.array([coef["wait"][t] for t in WAIT_TERMS]))
         model.make = np.array([coef["make"][t] for t in MAKE_TERMS]) if "make" in coef else None
         model.memory = np.array([coef["memory"][t] for t in MEMORY_TERMS]) if "memory" in coef else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
@@ -43,8 +44,11 @@ class Segment:
     cpu: tuple[float, float, float] = (0.0, 0.0, 0.0)  # job cpu s, busy s, wall s over the measured steps
 
     def local_stats(self) -> list[float]:
-        """``[mean step s, mean data wait s, peak rss, steps, job cpu s, busy cpu s, wall s]`` of this rank."""
+        """``[median step s, median data wait s, peak rss, steps, job cpu s, busy cpu s, wall s]`` of this rank.
+
+        Medians: on a shared machine a few steps are stretched by other programs (or a collective waiting on a
+        descheduled peer); the steady-state step is what the model describes."""
         n = len(self.seconds)
         if n == 0:
             return [0.0] * 7
-        return [sum(self.seconds) / n, sum(self.data_wait) / n, max(self.rss), float(n), *self.cpu]
+        return [statistics.median(self.seconds), statistics.median(self.data_wait), max(self.rss), float(n), *self.cpu]

@@ -227,3 +227,22 @@ def _plan(tables: Sequence[TableSpec], features: Mapping[str, Sequence[str]], wo
     finally:
         quiet.setLevel(level)
     return plan_placement(plan)
+
+
+def strategy_placement(strategy: Any) -> dict[str, list[tuple[int, int, int, str]]]:
+    """:func:`plan_placement` of the sharding plan of ``strategy.model`` (TorchRec DMP), ``{}`` without one."""
+    plan = getattr(getattr(strategy, "model", None), "plan", None)
+    return plan_placement(plan) if plan is not None and hasattr(plan, "plan") else {}
+
+
+def table_features(module: torch.nn.Module) -> dict[str, list[str]]:
+    """Feature names of every embedding table of ``module``'s ``EmbeddingBagCollection``/``EmbeddingCollection``."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    out = {}
+    for child in module.modules():
+        if isinstance(child, EmbeddingBagCollection):
+            out.update({c.name: list(c.feature_names) for c in child.embedding_bag_configs()})
+        elif isinstance(child, EmbeddingCollection):
+            out.update({c.name: list(c.feature_names) for c in child.embedding_configs()})
+    return out

@@ -161,10 +161,12 @@ class SearchSpace:
             raise ValueError(f"SearchSpace.global_batch={self.global_batch}: need 1 <= min <= max.")
 
     def candidates(self, machine: Machine, current: ResourceConfig) -> list[ResourceConfig]:
-        """Every allowed configuration (the current batch per rank when ``batch_per_rank`` is ``None``)."""
+        """Every allowed configuration (the current batch per rank when ``batch_per_rank`` is ``None``); the
+        current ranks per node and threads per rank are always among the choices."""
         default = _ladder(machine.cores)
-        ranks = self.ranks_per_node or default
-        threads = self.threads_per_rank or default
+        # the job's own ranks and threads are always candidates (with other batches, workers)
+        ranks = sorted({*(self.ranks_per_node or default), current.ranks_per_node})
+        threads = sorted({*(self.threads_per_rank or default), current.threads_per_rank})
         batches = self.batch_per_rank or (current.batch_per_rank,)
         budget = self.max_cores_per_node or 2 * machine.cores
         out = []

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from lightning_dlrover.advisor.history import JobHistory, JobRecord
 from lightning_dlrover.advisor.model import Observation, PerformanceModel
 from lightning_dlrover.advisor.recommend import Recommendation, recommend
 from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
 from lightning_dlrover.advisor.signature import JobSignature
+
+if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
+    from lightning_dlrover.advisor.history import JobHistory, JobRecord
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,9 @@ def observations_of(history: JobHistory, jobs: list[PastJob]) -> list[Observatio
 def warm_start(history: JobHistory, signature: JobSignature, current: ResourceConfig, space: SearchSpace,
                machine: Machine, min_similarity: float = 0.3, min_configs: int = 3, **options) -> WarmStart:
     """Finds similar past jobs, fits the model on their measurements and recommends a configuration for a job
-    with ``signature`` (``options`` go to :func:`~lightning_dlrover.advisor.recommend.recommend`)."""
+    with ``signature`` (``options`` go to :func:`~lightning_dlrover.advisor.recommend.recommend`; without
+    ``available_cores``, predictions use the median of the cores those jobs had while measured: on a shared
+    machine, what other programs recently left, not the machine's cores)."""
     jobs = similar_jobs(history, signature, min_similarity)
     if not jobs:
         return WarmStart()
@@ -99,6 +105,8 @@ def warm_start(history: JobHistory, signature: JobSignature, current: ResourceCo
     configs = {o.config for o in observations}
     if len(configs) >= min_configs:
         model = PerformanceModel().fit(observations)
+        if options.get("available_cores") is None:  # before its first step a job knows only what similar jobs had
+            options["available_cores"] = statistics.median(o.cores for o in observations)
         rec = recommend(model, signature.shape(), machine, current, space, **options)
         return WarmStart(tuple(jobs), tuple(observations), model, rec, rec.best.config,
                          f"{lead}; model fitted on {len(configs)} configurations recommends {rec.best.config.short()} "

@@ -1,4 +1,6 @@
-"""``lightning-dlrover``: ``fit`` (and the other LightningCLI subcommands) for the DLRM, ``chaos``, a node-loss drill, and ``advise``, resource advice."""
+"""``lightning-dlrover``: ``fit`` (and the other LightningCLI subcommands) for the DLRM, ``chaos``, a node-loss drill,
+``launch``, a launcher that recovers lost ranks in process, ``advise``, resource advice, and ``gen-criteo``,
+Criteo-format TSV test data."""
 
 from __future__ import annotations
 
@@ -12,6 +14,14 @@ def main(args: list[str] | None = None) -> None:
         from lightning_dlrover.cli.chaos import main as chaos
 
         sys.exit(chaos(args[1:]))
+    if args[:1] == ["launch"]:
+        from lightning_dlrover.cli.launch import main as launch
+
+        sys.exit(launch(args[1:]))
+    if args[:1] == ["gen-criteo"]:
+        from lightning_dlrover.data.generate import main as gen_criteo
+
+        sys.exit(gen_criteo(args[1:]))
     if args[:1] == ["advise"]:
         from lightning_dlrover.cli.advise import main as advise
 

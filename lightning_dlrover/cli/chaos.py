@@ -12,6 +12,10 @@ Each node gets its own spill directory (``/dev/shm/lightning_dlrover-<uid>/<run>
 machines would. Logs of every agent and the job's structured events (``events.jsonl``, read for the report)
 are kept under ``--workdir``. ``--script`` drills your own training script instead of the DLRM config;
 ``--kill-all`` kills every rank at once (the job must fall back to its newest checkpoint).
+``--in-process`` starts the nodes with ``lightning-dlrover launch`` instead and kills one rank
+(``--kill-rank``): a hot spare (``--spares`` per node) takes it and the survivors recover inside ``fit``::
+
+    lightning-dlrover chaos --in-process --nodes 1 --nproc-per-node 2 --kill-rank 1 --at-step 12
 """
 
 from __future__ import annotations
@@ -85,6 +89,9 @@ class Cluster:
         self.args, self.name, self.min_nodes = args, name, min_nodes
         self.store, self._socket = _loopback_store()
         self.port = self._socket.getsockname()[1]
+        if args.in_process:  # node 0's launcher hosts the store itself
+            self._socket.close()
+            del self.store
         self.run_id = f"{name}-{uuid.uuid4().hex[:8]}"
         self.spill_root = Path("/dev/shm") / f"lightning_dlrover-{os.getuid()}" / self.run_id
         self.job = Job(name, args.workdir / name)
@@ -102,6 +109,12 @@ class Cluster:
             f"--rdzv-conf={rdzv}", "--max-restarts=3", "--monitor-interval=0.2",
             *self._program(),
         ]  # fmt: skip
+        if a.in_process:  # our launcher: node 0 hosts the job's store on the port this runner reserved
+            command = [
+                sys.executable, "-m", "lightning_dlrover", "launch", "--nnodes", str(a.nodes), "--node-rank", str(index),
+                "--nproc-per-node", str(a.nproc_per_node), "--spares", str(a.spares), "--run-id", self.run_id,
+                "--master", f"127.0.0.1:{self.port}", "--", *self._program(),
+            ]  # fmt: skip
         full_env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, DIGEST_EVERY_ENV)}
         full_env.update({SPILL_ENV: str(self.spill_root / f"node{index}"), EVENTS_ENV: str(self.job.workdir / "events.jsonl"),
                          **STORE_ENV, **(env or {})})
@@ -154,6 +167,16 @@ def _faulted_run(args: argparse.Namespace) -> tuple[bool, list[Event]]:
     cluster = Cluster(args, "faulted", min_nodes)
     fault = f"step={args.at_step},phase={args.phase},target={'all' if args.kill_all else 'node'}"
     deadline = time.time() + args.timeout
+    if args.in_process:  # one rank dies; its launcher stays to hand the rank to a spare
+        try:
+            for index in range(args.nodes):
+                cluster.start_node(index, {FAULT_ENV: f"rank={args.kill_rank},step={args.at_step},phase={args.phase}"})
+            finished = all(a.wait(timeout=max(deadline - time.time(), 0.1)) == 0 for a in cluster.job.agents)
+            return finished, cluster.job.events()
+        except subprocess.TimeoutExpired:
+            return False, cluster.job.events()
+        finally:
+            cluster.close()
     try:
         for index in range(args.nodes):
             cluster.start_node(index, {FAULT_ENV: fault} if args.kill_all or index == args.kill_node else None)
@@ -193,6 +216,9 @@ def _digests(events: list[Event], after: float = 0.0) -> dict[int, str]:
 
 
 def _describe_recovery(e: Event) -> str:
+    if e.kind == "recovered_in_process":
+        return (f"yes, in process (survivors kept training in their processes; ranks {e['lost_ranks']} replaced; "
+                f"recovered step {e.step}; decode {e['decode_s']:.3f} s, re-shard {e['reshard_s']:.3f} s)")
     if e.kind == "restored":
         lost = f"decoded lost ranks {e['lost_ranks']}" if e["lost_ranks"] else "no rank lost"
         return (f"yes, from survivors' spills (recovered step {e.step} of a {e['old_world_size']}-rank job onto "
@@ -209,15 +235,18 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     injected = [e for e in events if e.kind == "fault_injected"]
     kill = injected[0] if injected else None
     after = kill.time if kill else 0.0
+    in_process = [e for e in events if e.kind == "recovered_in_process" and e.time >= after]
     recoveries = [e for e in events if e.kind in ("restored", "fallback") and e.time >= after]
+    recoveries = recoveries or [e for e in in_process if e.rank == min(x.rank for x in in_process)]
     stopped = [e.time for e in events if e.kind == "stopped" and e.time >= after]
+    stopped += [e["failed_at"] for e in in_process if e["failed_at"] is not None]
     resumed = [e.time for e in events if e.kind == "resumed" and e.time >= after]
     finals = [e["digest"] for e in events if e.kind == "digest" and e["final"]]
     fault_free = ([e["digest"] for e in reference if e.kind == "digest" and e["final"]] or [None])[-1] if reference else None
-    victim = "every rank" if args.kill_all else f"node {args.kill_node}"
+    victim = "every rank" if args.kill_all else f"rank {args.kill_rank}" if args.in_process else f"node {args.kill_node}"
     lines = [
         f"nodes: {args.nodes} x {args.nproc_per_node} ranks; killed {victim} at step {args.at_step} ({args.phase}); "
-        f"replacement: {'yes' if args.replace else 'no' if args.kill_all else 'no (shrink)'}"
+        f"replacement: {f'a hot spare ({args.spares} per node)' if args.in_process and args.spares else 'started cold' if args.in_process else 'yes' if args.replace else 'no' if args.kill_all else 'no (shrink)'}"
         + (f", a node rejoins {args.rejoin_after} s after it resumed" if args.rejoin_after is not None else ""),
         f"node killed: {'yes' if kill is not None else 'no'}",
     ]
@@ -232,8 +261,15 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
         lines.append(f"restored state equals the fault-free state at step {first.step}: {verdict}")
     if kill is not None and stopped:
         lines.append(f"detection: {min(stopped) - kill.time:.2f} s (kill to the first survivor stopping)")
+    if kill is not None and in_process and stopped:
+        joined = [e["connected_at"] for e in in_process if not e["survivor"]]
+        if joined:
+            lines.append(f"replacement ready: {max(joined) - min(stopped):.2f} s after detection (the spare took the "
+                         "rank, set up its trainer and sharded its model)")
+        lines.append(f"decode: {max(e['decode_s'] + e['reshard_s'] for e in in_process):.3f} s")
     if kill is not None and first is not None:
-        lines.append(f"state restored: {first.time - kill.time:.2f} s after the kill (restart, rendezvous, decode, re-shard)")
+        what = "replacement, communicator, decode" if in_process else "restart, rendezvous, decode, re-shard"
+        lines.append(f"state restored: {first.time - kill.time:.2f} s after the kill ({what})")
     if kill is not None and resumed:
         lines.append(f"time to resume: {resumed[0] - kill.time:.2f} s (kill to the first committed step after)")
     committed = kill["committed_step"] if kill is not None else None
@@ -260,6 +296,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=2, help="torchrun agents to start, each a node")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node")
     parser.add_argument("--kill-node", type=int, default=0, help="index of the node to kill (0-based)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="launch with `lightning-dlrover launch` and kill one rank: survivors recover in process")
+    parser.add_argument("--spares", type=int, default=1, help="hot spares per node (--in-process)")
+    parser.add_argument("--kill-rank", type=int, default=0, help="rank to kill (--in-process)")
     parser.add_argument("--kill-all", action="store_true",
                         help="SIGKILL every rank at once (agents live on and restart them; nobody can spill)")
     parser.add_argument("--at-step", type=int, required=True, help="training step at which the node dies")
@@ -281,7 +321,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--kill-node {args.kill_node} is not a node of --nodes {args.nodes}")
     if args.replace and args.rejoin_after is not None:
         parser.error("--rejoin-after is for a job that shrinks first; leave out --replace")
-    if args.nodes < 2 and not args.replace and not args.kill_all:
+    if args.in_process and not 0 <= args.kill_rank < args.nodes * args.nproc_per_node:
+        parser.error(f"--kill-rank {args.kill_rank} is not a rank of {args.nodes} x {args.nproc_per_node}")
+    if args.in_process and (args.kill_all or args.rejoin_after is not None):
+        parser.error("--in-process replaces one rank; leave out --kill-all and --rejoin-after")
+    if args.nodes < 2 and not args.replace and not args.kill_all and not args.in_process:
         parser.error("a job of one node cannot shrink: pass --replace or --nodes >= 2")
     if args.script is None and not args.config.is_file():
         parser.error(f"--config {args.config} does not exist")
@@ -310,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             reference = _reference_run(args)
             if reference is not None:
                 shutil.copy(args.workdir / "reference" / "events.jsonl", cached)
-    victim = "every rank" if args.kill_all else f"node {args.kill_node}"
+    victim = "every rank" if args.kill_all else f"rank {args.kill_rank}" if args.in_process else f"node {args.kill_node}"
     print(f"chaos: run with {victim} killed at step {args.at_step} ...", flush=True)
     finished, events = _faulted_run(args)
     print("\nchaos summary")

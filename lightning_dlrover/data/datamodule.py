@@ -1,4 +1,4 @@
-"""Lightning data module and a resumable per-rank loader over a :class:`BatchSource`."""
+"""Lightning data module and a resumable per-rank loader over a :class:`SampleSource`."""
 
 from __future__ import annotations
 
@@ -8,39 +8,66 @@ from typing import Any
 import lightning.pytorch as pl
 from torchrec.datasets.utils import Batch
 
-from lightning_dlrover.data.sources import NUM_SPARSE, BatchSource, CriteoTSV, SyntheticCriteo, rank_slice
+from lightning_dlrover.data.sources import NUM_SPARSE, CriteoTSV, SampleSource, SyntheticCriteo, make_batch, rank_slice
 
 
 class ResumableLoader:
-    """Iterates one rank's slice of a :class:`BatchSource` and remembers how far it got.
+    """Iterates one rank's rows of the global batches of a :class:`SampleSource` and remembers how far it got.
 
-    Its ``state_dict`` (``{"next_batch": int}``, a global batch index) is saved by Lightning in every
-    checkpoint; after ``load_state_dict`` the next epoch iteration starts from that batch, on any world size.
+    Global batch ``g`` covers samples ``[p, p + B)`` where ``p`` is the position (a sample count) and ``B``
+    the global batch size; this rank reads only its ``B / world_size`` rows of it. The position is a sample
+    count, so it stays exact when the world size or the global batch size changes between steps. A trailing
+    partial global batch is dropped at the end of an epoch.
+
+    Its ``state_dict`` (``{"next_sample": int, "global_batch_size": int}``) is saved by Lightning in every
+    checkpoint and by the strategy in every commit; after ``load_state_dict`` the next iteration starts at
+    that sample, on any world size, with the loader's own (configured) global batch size.
+
+    Args:
+        source: the samples.
+        rank: this process's rank.
+        world_size: number of ranks sharing each global batch.
+        global_batch_size: samples per step summed over all ranks; must be divisible by ``world_size``.
     """
 
-    def __init__(self, source: BatchSource, rank: int, world_size: int) -> None:
-        rank_slice(source.global_batch_size, rank, world_size)  # fail now, not at the first batch
+    def __init__(self, source: SampleSource, rank: int, world_size: int, global_batch_size: int) -> None:
+        rank_slice(global_batch_size, rank, world_size)  # fail now, not at the first batch
         self.source, self.rank, self.world_size = source, rank, world_size
-        self._next_batch = 0
+        self.global_batch_size = global_batch_size
+        self._next_sample = 0
         self._resume_from = 0
 
     def __len__(self) -> int:
-        return len(self.source)
+        """Full global batches in one epoch at the current global batch size."""
+        return len(self.source) // self.global_batch_size
 
     def __iter__(self) -> Iterator[Batch]:
         start, self._resume_from = self._resume_from, 0
-        self._next_batch = start
-        for batch in self.source.iter_rank_batches(start, self.rank, self.world_size):
-            self._next_batch += 1
+        self._next_sample = start
+        total = len(self.source)
+        while True:
+            batch_size = self.global_batch_size
+            if self._next_sample + batch_size > total:
+                return
+            rows = rank_slice(batch_size, self.rank, self.world_size)
+            first = self._next_sample
+            batch = make_batch(*self.source.rows(first + rows.start, first + rows.stop))
+            self._next_sample = first + batch_size
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        """Position in the epoch as a global batch index."""
-        return {"next_batch": self._next_batch}
+        """Position in the epoch as a sample count, and the global batch size in use."""
+        return {"next_sample": self._next_sample, "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Makes the next iteration start at global batch ``state["next_batch"]``."""
-        self._resume_from = self._next_batch = int(state["next_batch"]) % max(len(self.source), 1)
+        """Makes the next iteration start at sample ``state["next_sample"]`` (or the legacy ``next_batch``)."""
+        if "next_sample" in state:
+            position = int(state["next_sample"])
+        else:  # checkpoints written before positions were sample counts
+            position = int(state["next_batch"]) * self.global_batch_size
+        if position + self.global_batch_size > len(self.source):
+            position = 0  # the saved epoch was complete
+        self._resume_from = self._next_sample = position
 
 
 class DLRMDataModule(pl.LightningDataModule):
@@ -58,6 +85,10 @@ class DLRMDataModule(pl.LightningDataModule):
         alpha: power-law exponent of synthetic ids.
         criteo_paths: Criteo TSV files for training.
         val_criteo_paths: Criteo TSV files for validation.
+        pipeline: train on ``criteo_paths`` through the staged parallel pipeline
+            (:class:`~lightning_dlrover.data.pipeline.PipelinedLoader`): workers per stage and prefetch depth
+            (``read``, ``parse``, ``transform``, ``assemble``, ``prefetch``), and optionally ``chunk_rows`` and
+            ``on_error`` (``raise`` or ``skip``); ``None``: the in-process loader. Same batches either way.
     """
 
     def __init__(
@@ -70,6 +101,7 @@ class DLRMDataModule(pl.LightningDataModule):
         alpha: float = 1.5,
         criteo_paths: list[str] | None = None,
         val_criteo_paths: list[str] | None = None,
+        pipeline: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if len(num_embeddings_per_feature) != NUM_SPARSE:
@@ -79,18 +111,19 @@ class DLRMDataModule(pl.LightningDataModule):
             )
         if global_batch_size < 1:
             raise ValueError(f"data.global_batch_size={global_batch_size} must be positive.")
+        if pipeline is not None and not criteo_paths:
+            raise ValueError("data.pipeline reads TSV files: set data.criteo_paths too (or remove data.pipeline).")
         self.save_hyperparameters()
         self._train_loader: ResumableLoader | None = None
 
-    def _source(self, train: bool) -> BatchSource:
+    def _source(self, train: bool) -> SampleSource:
         hp = self.hparams
         paths = hp.criteo_paths if train else hp.val_criteo_paths
         if paths:
-            return CriteoTSV(paths, hp.num_embeddings_per_feature, hp.global_batch_size)
+            return CriteoTSV(paths, hp.num_embeddings_per_feature)
         return SyntheticCriteo(
             hp.num_embeddings_per_feature,
-            hp.global_batch_size,
-            hp.train_batches if train else hp.val_batches,
+            hp.global_batch_size * (hp.train_batches if train else hp.val_batches),
             seed=hp.seed if train else hp.seed + 1,
             alpha=hp.alpha,
         )
@@ -98,7 +131,12 @@ class DLRMDataModule(pl.LightningDataModule):
     def _loader(self, train: bool) -> ResumableLoader:
         trainer = self.trainer
         rank, world_size = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
-        return ResumableLoader(self._source(train), rank, world_size)
+        if train and self.hparams.pipeline is not None:
+            from lightning_dlrover.data.pipeline import pipelined_loader
+
+            return pipelined_loader(self._source(train), rank, world_size, self.hparams.global_batch_size,
+                                    self.hparams.pipeline)
+        return ResumableLoader(self._source(train), rank, world_size, self.hparams.global_batch_size)
 
     def train_dataloader(self) -> ResumableLoader:
         """The rank's training loader; the same object across epochs so its position is checkpointed."""

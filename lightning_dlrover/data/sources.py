@@ -1,8 +1,13 @@
-"""Sources of DLRM training batches: synthetic Criteo-like data and real Criteo TSV files.
+"""Sample-addressable sources of DLRM training data: synthetic Criteo-like data and real Criteo TSV files.
 
-Both produce the same stream for any world size: global batch ``g`` holds samples
-``[g * B, (g + 1) * B)`` and rank ``r`` of ``W`` receives rows ``[r * B / W, (r + 1) * B / W)`` of it,
-so a run that changes world size (or resumes from a checkpoint) sees the same data at the same step.
+A source is a fixed sequence of samples: ``source.rows(a, b)`` returns samples ``[a, b)`` and nothing
+else, so a loader can read exactly its own rank's rows of any global batch. Global batch ``g`` of size
+``B`` starting at sample ``p`` covers samples ``[p, p + B)``; rank ``r`` of ``W`` gets
+``[p + r * B / W, p + (r + 1) * B / W)``. The stream is therefore the same for any world size and any
+sequence of batch sizes, and a position is a sample count.
+
+Shapes: ``dense`` float32 ``[n, 13]`` (already ``log1p``-transformed), ``ids`` int64 ``[n, 26]`` (one id
+per categorical feature, ``0 <= ids[:, f] < num_embeddings[f]``), ``labels`` float32 ``[n]`` in {0, 1}.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -22,16 +28,14 @@ DENSE_NAMES = [f"int_{i}" for i in range(NUM_DENSE)]
 SPARSE_NAMES = [f"cat_{i}" for i in range(NUM_SPARSE)]
 
 
-class BatchSource(Protocol):
-    """A deterministic, restartable stream of global batches, sliced per rank."""
-
-    global_batch_size: int
+class SampleSource(Protocol):
+    """A deterministic sequence of Criteo-format samples that can be read from any position."""
 
     def __len__(self) -> int:
-        """Number of global batches in one epoch."""
+        """Number of samples in one epoch."""
 
-    def iter_rank_batches(self, start: int, rank: int, world_size: int) -> Iterator[Batch]:
-        """Yields rank ``rank``'s slice of global batches ``start, start + 1, ...`` to the end of the epoch."""
+    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense ``[n, 13]``, ids ``[n, 26]`` and labels ``[n]`` of samples ``[start, stop)``."""
 
 
 def rank_slice(global_batch_size: int, rank: int, world_size: int) -> slice:
@@ -68,21 +72,27 @@ class SyntheticCriteo:
     Categorical ids follow a power law (``id = floor(N * u ** alpha)``, ``u ~ U(0, 1)``; larger ``alpha``
     means hotter rows), dense features are ``log1p`` of exponential counts as in the Criteo pre-processing,
     and the label is drawn from a fixed logistic function of the features so that a model can learn it
-    (AUC well above 0.5). Global batch ``g`` is generated from ``(seed, g)`` alone.
+    (AUC well above 0.5). Samples are generated in blocks of :attr:`BLOCK`; block ``b`` depends on
+    ``(seed, b)`` alone, so any range of samples is reproducible on its own.
 
     Args:
         num_embeddings_per_feature: table size of each of the 26 categorical features.
-        global_batch_size: samples per step summed over all ranks.
-        num_batches: global batches per epoch.
+        num_samples: samples per epoch.
         seed: seed of the whole stream.
         alpha: power-law exponent of the ids (1.0 = uniform).
+
+    Example::
+
+        source = SyntheticCriteo([1000] * 26, num_samples=4096)
+        dense, ids, labels = source.rows(0, 512)   # [512, 13], [512, 26], [512]
     """
+
+    BLOCK = 512
 
     def __init__(
         self,
         num_embeddings_per_feature: Sequence[int],
-        global_batch_size: int,
-        num_batches: int,
+        num_samples: int,
         seed: int = 0,
         alpha: float = 1.5,
     ) -> None:
@@ -92,9 +102,10 @@ class SyntheticCriteo:
             )
         if alpha < 1.0:
             raise ValueError(f"alpha={alpha} must be >= 1.0 (1.0 gives uniform ids).")
+        if num_samples < 0:
+            raise ValueError(f"num_samples={num_samples} must be >= 0.")
         self.num_embeddings = torch.tensor(list(num_embeddings_per_feature), dtype=torch.float64)
-        self.global_batch_size = global_batch_size
-        self.num_batches = num_batches
+        self.num_samples = num_samples
         self.seed = seed
         self.alpha = alpha
         weights = torch.Generator().manual_seed(seed ^ 0x5EED)
@@ -102,14 +113,13 @@ class SyntheticCriteo:
         self._id_salt = torch.randint(1, 2**31 - 1, (NUM_SPARSE,), generator=weights, dtype=torch.int64)
 
     def __len__(self) -> int:
-        return self.num_batches
+        return self.num_samples
 
-    def global_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Dense [B, 13] float32, ids [B, 26] int64 and labels [B] float32 of global batch ``index``."""
+    def _block(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        batch = self.global_batch_size
-        dense = torch.log1p(torch.empty(batch, NUM_DENSE).exponential_(0.1, generator=gen))
-        u = torch.rand(batch, NUM_SPARSE, generator=gen, dtype=torch.float64)
+        n = self.BLOCK
+        dense = torch.log1p(torch.empty(n, NUM_DENSE).exponential_(0.1, generator=gen))
+        u = torch.rand(n, NUM_SPARSE, generator=gen, dtype=torch.float64)
         ids = (self.num_embeddings * u.pow(self.alpha)).long().clamp_max_(self.num_embeddings.long() - 1)
         # Each id has a fixed effect in [-0.5, 0.5): the signal the embeddings learn.
         id_effect = ((ids * self._id_salt) % 1000).float().div_(1000).sub_(0.5)
@@ -117,27 +127,29 @@ class SyntheticCriteo:
         labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
         return dense, ids, labels
 
-    def iter_rank_batches(self, start: int, rank: int, world_size: int) -> Iterator[Batch]:
-        rows = rank_slice(self.global_batch_size, rank, world_size)
-        for index in range(start, self.num_batches):
-            dense, ids, labels = self.global_batch(index)
-            yield make_batch(dense[rows], ids[rows], labels[rows])
+    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense ``[n, 13]``, ids ``[n, 26]`` and labels ``[n]`` of samples ``[start, stop)``."""
+        check_range(start, stop, self.num_samples)
+        first, last = start // self.BLOCK, (stop - 1) // self.BLOCK if stop > start else start // self.BLOCK
+        blocks = [self._block(b) for b in range(first, last + 1)]
+        offset = first * self.BLOCK
+        return tuple(torch.cat(parts)[start - offset : stop - offset] for parts in zip(*blocks))
 
 
 class CriteoTSV:
     """Criteo Kaggle/Terabyte day files: ``label \\t 13 integer features \\t 26 hex categorical features``.
 
     Missing values are empty fields. Dense features become ``log1p(max(x, 0))``; categorical hex strings
-    are mapped to ``int(hex, 16) % num_embeddings`` (missing -> 0). Files are read in order; a trailing
-    partial global batch is dropped.
+    are mapped to ``int(hex, 16) % num_embeddings`` (missing -> 0). The files are one sequence of samples
+    in the given order; an index of line offsets (built on first use, one pass over the files) lets
+    :meth:`rows` read any range directly.
 
     Args:
         paths: TSV files, read in the given order (one epoch = all of them).
         num_embeddings_per_feature: table size of each of the 26 categorical features.
-        global_batch_size: samples per step summed over all ranks.
     """
 
-    def __init__(self, paths: Sequence[str | Path], num_embeddings_per_feature: Sequence[int], global_batch_size: int):
+    def __init__(self, paths: Sequence[str | Path], num_embeddings_per_feature: Sequence[int]):
         self.paths = [Path(p) for p in paths]
         missing = [str(p) for p in self.paths if not p.is_file()]
         if missing:
@@ -147,21 +159,44 @@ class CriteoTSV:
                 f"num_embeddings_per_feature has {len(num_embeddings_per_feature)} entries; Criteo has {NUM_SPARSE}."
             )
         self.num_embeddings = list(num_embeddings_per_feature)
-        self.global_batch_size = global_batch_size
-        self._num_batches: int | None = None
+        self._offsets: list[np.ndarray] | None = None  # per file: start offset of every line, then the file size
+        self._first_sample: list[int] = []
+
+    def _index(self) -> list[np.ndarray]:
+        if self._offsets is None:
+            self._offsets, total = [], 0
+            for path in self.paths:
+                self._offsets.append(line_offsets(path))
+                self._first_sample.append(total)
+                total += len(self._offsets[-1]) - 1
+        return self._offsets
 
     def __len__(self) -> int:
-        if self._num_batches is None:
-            lines = sum(sum(1 for _ in open(p, "rb")) for p in self.paths)
-            self._num_batches = lines // self.global_batch_size
-        return self._num_batches
+        return sum(len(o) - 1 for o in self._index())
 
-    def _lines(self) -> Iterator[bytes]:
-        for path in self.paths:
+    def byte_ranges(self, start: int, stop: int) -> list[tuple[Path, int, int, int]]:
+        """``(file, first line number, byte offset, byte length)`` of the lines holding samples ``[start, stop)``;
+        line numbers count from 1."""
+        offsets = self._index()
+        check_range(start, stop, len(self))
+        ranges = []
+        for path, first, file_offsets in zip(self.paths, self._first_sample, offsets):
+            lo, hi = max(start - first, 0), min(stop - first, len(file_offsets) - 1)
+            if lo < hi:
+                ranges.append((path, lo + 1, int(file_offsets[lo]), int(file_offsets[hi] - file_offsets[lo])))
+        return ranges
+
+    def lines(self, start: int, stop: int) -> Iterator[tuple[Path, int, list[bytes]]]:
+        """``(file, first line number, raw lines)`` covering samples ``[start, stop)``; line numbers count from 1."""
+        for path, first_line, offset, length in self.byte_ranges(start, stop):
             with open(path, "rb") as f:
-                yield from f
+                f.seek(offset)
+                data = f.read(length)
+            yield path, first_line, data.splitlines()
 
-    def parse(self, lines: list[bytes]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def parse(
+        self, lines: list[bytes], path: Path | str = "<lines>", first_line: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dense [n, 13] float32, ids [n, 26] int64 and labels [n] float32 of TSV lines."""
         n = len(lines)
         labels = torch.empty(n)
@@ -169,22 +204,45 @@ class CriteoTSV:
         ids = torch.empty(n, NUM_SPARSE, dtype=torch.int64)
         for row, line in enumerate(lines):
             fields = line.rstrip(b"\r\n").split(b"\t")
-            if len(fields) != 1 + NUM_DENSE + NUM_SPARSE:
-                raise ValueError(f"malformed Criteo line with {len(fields)} fields (expected 40): {line[:80]!r}")
-            labels[row] = float(fields[0])
-            dense[row] = torch.tensor([math.log1p(max(int(x), 0)) if x else 0.0 for x in fields[1 : 1 + NUM_DENSE]])
-            ids[row] = torch.tensor(
-                [int(h, 16) % m if h else 0 for h, m in zip(fields[1 + NUM_DENSE :], self.num_embeddings)]
-            )
+            try:
+                if len(fields) != 1 + NUM_DENSE + NUM_SPARSE:
+                    raise ValueError(f"{len(fields)} fields (expected 40)")
+                labels[row] = float(fields[0])
+                dense[row] = torch.tensor(
+                    [math.log1p(max(int(x), 0)) if x else 0.0 for x in fields[1 : 1 + NUM_DENSE]]
+                )
+                ids[row] = torch.tensor(
+                    [int(h, 16) % m if h else 0 for h, m in zip(fields[1 + NUM_DENSE :], self.num_embeddings)]
+                )
+            except ValueError as error:
+                raise ValueError(
+                    f"malformed Criteo line {path}:{first_line + row}: {error}: {line[:80]!r}"
+                ) from None
         return dense, ids, labels
 
-    def iter_rank_batches(self, start: int, rank: int, world_size: int) -> Iterator[Batch]:
-        rows = rank_slice(self.global_batch_size, rank, world_size)
-        lines = self._lines()
-        for _ in range(start * self.global_batch_size):
-            next(lines, None)
-        while True:
-            chunk = [line for _, line in zip(range(self.global_batch_size), lines)]
-            if len(chunk) < self.global_batch_size:
-                return
-            yield make_batch(*self.parse(chunk[rows]))
+    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense ``[n, 13]``, ids ``[n, 26]`` and labels ``[n]`` of samples ``[start, stop)``."""
+        parts = [self.parse(lines, path, first) for path, first, lines in self.lines(start, stop)]
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(torch.cat(p) for p in zip(*parts)) if parts else self.parse([])
+
+
+def line_offsets(path: Path, chunk: int = 1 << 24) -> np.ndarray:
+    """Byte offset of the start of every line of ``path`` and, last, the file size (int64)."""
+    starts, size = [np.zeros(1, dtype=np.int64)], 0
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            newlines = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10).astype(np.int64)
+            starts.append(newlines + size + 1)
+            size += len(data)
+    offsets = np.concatenate(starts)
+    if offsets[-1] != size:  # a last line without a newline
+        offsets = np.append(offsets, size)
+    return offsets
+
+
+def check_range(start: int, stop: int, num_samples: int) -> None:
+    """Raises unless ``0 <= start <= stop <= num_samples``."""
+    if not 0 <= start <= stop <= num_samples:
+        raise IndexError(f"samples [{start}, {stop}) are outside the source's [0, {num_samples}).")

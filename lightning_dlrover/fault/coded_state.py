@@ -151,10 +151,7 @@ class CodedState:
                     self.segments.append(Segment(f"{table.name}@{offsets}/state{s}", index, state))
         by_address = _shard_specs(module)
         self.specs = [self._spec(seg, by_address) for seg in self.segments]
-        #: Every rank's segment specs, by rank (a recovery needs the layout of lost ranks).
-        self.layouts: list[list[SegmentSpec]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(self.layouts, self.specs)
-        self.chunk_len = self._agree_chunk_len()
+        self.share_layout()
         self.pieces = chunk_layout(self.specs, self.chunk_len)
         self._segments_of_table: dict[int, list[int]] = {}
         for index, seg in enumerate(self.segments):
@@ -172,6 +169,14 @@ class CodedState:
         self._touched: dict[int, list[Tensor]] = {}
         self._undo: dict[int, list[Tensor]] = {}
         self._seen: dict[int, Tensor] = {}
+
+    def share_layout(self) -> None:
+        """Gathers every rank's segment specs and agrees on the chunk length (collective; a rank joining a running
+        job builds its state while the others call this again)."""
+        #: Every rank's segment specs, by rank (a recovery needs the layout of lost ranks).
+        self.layouts: list[list[SegmentSpec]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(self.layouts, self.specs)
+        self.chunk_len = self._agree_chunk_len()
 
     @staticmethod
     def _spec(segment: Segment, by_address: dict[int, SegmentSpec]) -> SegmentSpec:

@@ -106,15 +106,19 @@ class FaultManager:
         self._spill_dir: Path | None = None
 
     # ----------------------------------------------------------------------------------------- start
-    def start(self, host: Host) -> dict[str, Any] | None:
+    def start(self, host: Host, joining: bool = False) -> dict[str, Any] | None:
         """Restores a failed job (survivors' spills, else its newest checkpoint) into the sharded model and encodes
-        parity (collective). Returns the trainer state for Lightning to resume from, ``None`` for a fresh start."""
+        parity (collective). Returns the trainer state for Lightning to resume from, ``None`` for a fresh start.
+        A process ``joining`` a running job in place of a lost rank only prepares: :meth:`rejoin` restores it."""
         self._host = host
         self._dense = ReplicatedSnapshot(self._dense_tensors(host))
         self._buffers = dense_buffers(host.lightning_module)
+        self._rank_state_len = rank_state.capture_rank(self._buffers).numel()
+        if joining:  # the survivors are not here yet: the collectives below run in rejoin
+            return None
         state = CodedState(host.model, self.parity.k) if self.parity is not None else None
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(host.world_size)]
-        dist.all_gather(lengths, torch.tensor([rank_state.capture_rank(self._buffers).numel()]))
+        dist.all_gather(lengths, torch.tensor([self._rank_state_len]))
         self._rank_state_len = int(max(lengths))
         resume, reason = None, None
         if under_torchrun():
@@ -307,8 +311,8 @@ class FaultManager:
     def on_exception(self, error: BaseException) -> None:
         """Spills this rank's committed state to shared memory for the restarted job (under ``torchrun``; with parity).
         The step in flight is rolled back first; a spill needs no other rank."""
-        if self._host is None or self._spill_dir is None or self.coded is None:
-            return
+        if self._host is None or self._spill_dir is None or self.coded is None or self.committed_step < 0:
+            return  # nothing committed yet (the failure came during set-up): a spill would only mislead a restart
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher SIGTERMs a failed node's workers
         stopped = time.time()
         try:
@@ -358,6 +362,39 @@ class FaultManager:
         assert self._dense is not None
         self._dense.restore()
         self._in_flight = None
+
+    def rejoin(self, host: Host, survivor: bool) -> RecoveryReport:
+        """Brings every rank back to the last committed step after lost ranks were replaced in place (collective
+        over the new communicator): survivors roll back in memory and contribute their committed state, the
+        replacements receive theirs decoded from parity, parity is encoded afresh. Returns the report, whose
+        ``meta`` is the trainer state to resume from. Raises :class:`Unrecoverable` on every rank alike."""
+        if self.parity is None:
+            raise Unrecoverable("in-process recovery needs parity (DLRoverStrategy(parity=ParityConfig(...))).",
+                                self.committed_step)
+        if survivor:  # mirrors the replacement's state construction (layouts, chunk length), then rolls back
+            assert self.coded is not None
+            state = self.coded.state
+            state.share_layout()
+            spills = [self._committed_spill()]
+        else:
+            state, spills = CodedState(host.model, self.parity.k), []
+        longest = torch.tensor([self._rank_state_len], dtype=torch.int64)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        self._rank_state_len = int(longest)
+        report = restore(state, spills)
+        if report is None or report.meta is None:
+            raise Unrecoverable("no survivor contributed a committed state to the replaced ranks.", self.committed_step)
+        self._load_dense_state(host, report)
+        if survivor:
+            assert self.coded is not None
+            self.coded.encode()
+        else:
+            self.coded = self._encode(host, state)
+        self.committed_step, self._meta, self._in_flight = report.step, dict(report.meta), None
+        assert self._dense is not None
+        self._dense.take()
+        self.recovered = self._announce_resume = True
+        return report
 
     def finish(self) -> None:
         """Training ended normally: removes this rank's progress record (nothing to resume)."""

@@ -37,11 +37,24 @@ KINDS: dict[str, tuple[str, ...]] = {
     "fallback": ("why", "checkpoint", "failed_step", "steps_lost", "load_s"),  # checkpoint None: from step 0
     "resumed": (),  # the first step committed after a restore or fallback
     "digest": ("digest", "final"),
+    # In-process recovery (lightning-dlrover launch): the launcher's plan, each rank's recovery, the fallbacks
+    "replacement_planned": ("generation", "lost_ranks", "replacements", "cold"),
+    "recovered_in_process": ("survivor", "lost_ranks", "decode_s", "reshard_s", "lost_at", "failed_at",
+                             "connected_at", "restored_at"),  # every rank; times are Unix seconds
+    "in_process_refused": ("why", "error"),
+    "restarting_all": ("restarts", "failed_ranks"),
     # ResourceAdvisor (step: the global step it was decided at)
-    "advice": ("stage", "current", "recommended", "predicted_gain", "applied", "restart"),
+    "advice": ("stage", "current", "recommended", "predicted_gain", "applied", "restart", "elapsed_s"),
+    "restart": ("how", "pending", "current", "recommended", "command", "config", "kubernetes", "launcher_honours",
+                "stop_nodes", "checkpoint"),
     "straggler": ("straggler_rank", "cause", "ratio", "excess_ms", "since_step"),
     "oom_forecast": ("node", "rss_bytes", "limit_bytes", "growth_bytes_per_step", "steps_to_oom", "seconds_to_oom"),
     "hot_rank": ("hot_rank", "share", "ratio", "tables"),
+    # PipelineTuner (step: the global step of the decision)
+    "pipeline_decision": ("tuner", "config", "samples_per_s", "wait_fraction", "memory_bytes", "budget_memory_bytes",
+                          "next_config", "reason", "predicted_memory_bytes"),
+    "pipeline_tuned": ("tuner", "start_config", "config", "start_samples_per_s", "samples_per_s", "gain", "windows",
+                       "resets", "peak_memory_bytes", "budget_memory_bytes", "budget_cpus"),
 }
 
 

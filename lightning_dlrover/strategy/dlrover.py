@@ -35,11 +35,14 @@ from typing_extensions import override
 
 from lightning_dlrover.checkpoint import complete_sharded_state, directory, get_backend
 from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig, rank_state
+from lightning_dlrover.fault import membership
+from lightning_dlrover.fault.inprocess import InProcessRecovery, take_rank_if_spare, world_group
 from lightning_dlrover.fault.launcher import node_range
+from lightning_dlrover.fault.process_group import BACKEND as RECONFIGURABLE
 from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.strategy import lightning_glue as glue
-from lightning_dlrover.strategy import process_exit
+from lightning_dlrover.strategy import in_process, process_exit
 from lightning_dlrover.strategy.sharding import (
     COMPUTE_KERNELS,
     CPU_DEFAULT_SHARDING_TYPES,
@@ -97,7 +100,8 @@ class DLRoverStrategy(DDPStrategy):
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+            process_group_backend=in_process.process_group_backend(process_group_backend), timeout=timeout,
+            start_method=start_method,
         )  # fmt: skip
         self._forward_redirection = glue.InnerDDPRedirection()
         self.sharding_types = sharding_types
@@ -124,6 +128,7 @@ class DLRoverStrategy(DDPStrategy):
         self._dmp: DistributedModelParallel | None = None
         self._resume: dict[str, Any] | None = None  # restored by set-up, for Lightning to resume from
         self._started = self._snapshotting = False
+        self._assignment: membership.Assignment | None = None  # the lost rank this process took, as a hot spare
 
     @classmethod
     @override
@@ -158,7 +163,9 @@ class DLRoverStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Initialises the process group, and destroys it at interpreter exit."""
+        """Initialises the process group (a hot spare first waits to be handed a lost rank), and destroys it at
+        interpreter exit."""
+        self._assignment = take_rank_if_spare()
         super().setup_environment()
         process_exit.install()
 
@@ -195,7 +202,9 @@ class DLRoverStrategy(DDPStrategy):
 
     def _start_fault_tolerance(self, trainer: pl.Trainer) -> None:
         job_events.configure(Path(trainer.default_root_dir) / "dlrover_events.jsonl")
-        self._resume = self.fault.start(self)
+        self._resume = self.fault.start(self, joining=membership.is_joining())
+        if world_group() is not None:
+            in_process.install(trainer, self, self.fault, InProcessRecovery(self.fault, self._assignment))
         if self._resume is not None:
             glue.resume_from(trainer, self._resume)
         state = lambda: self._trainer_state(trainer)  # noqa: E731
@@ -220,6 +229,11 @@ class DLRoverStrategy(DDPStrategy):
         hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
         parity = (self.parity.k, self.parity.r) if self.parity is not None else None
         check_elastic_sizes(sizes, hparams.get("global_batch_size"), parity)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's broadcast; on a replacement still joining the job (nobody else is listening), its own value."""
+        return obj if in_process.joining() else super().broadcast(obj, src)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -257,14 +271,17 @@ class DLRoverStrategy(DDPStrategy):
     def _shard(self, module: pl.LightningModule) -> DistributedModelParallel:
         """Plans the sharding of ``module``'s embedding tables and wraps it in ``DistributedModelParallel``."""
         tables = check_module(module, self.compute_kernel, self.root_device.type)
-        backend = dist.get_backend()
+        backend = "gloo" if dist.get_backend() == RECONFIGURABLE else dist.get_backend()
         default_types = CPU_DEFAULT_SHARDING_TYPES if backend == "gloo" else None
         constraints = build_constraints(
             tables, self.sharding_types or default_types or SHARDING_TYPES, self.compute_kernel, self.constraints, backend
         )
         # Dense parameters move to the device now; meta-device tables are materialised by their shards.
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
-        plan = plan_sharding(module, constraints, self.root_device, local_world_size=self.num_processes)
+        plan = in_process.shared_plan(
+            lambda: plan_sharding(module, constraints, self.root_device, local_world_size=self.num_processes),
+            self.global_rank,
+        )
         self._dmp = DistributedModelParallel(
             module=module,
             env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),

@@ -71,3 +71,44 @@ def prepare_inner_ddp_for_backward(model: nn.Module, loss: Tensor) -> None:
     ddp = inner_ddp(model)
     if ddp is not None and ddp.require_backward_grad_sync:
         prepare_for_backward(ddp, loss)
+
+
+def rerun_fit_loop(trainer: pl.Trainer, recover: Callable[[BaseException], bool],
+                   before_first_run: Callable[[], None] | None = None) -> None:
+    """Makes the fit loop run again, inside the same ``fit``, after ``recover(error)`` restored a committed state
+    following a failure (``False``: the error propagates as before). ``before_first_run()`` runs once, first."""
+    loop = trainer.fit_loop
+    original = loop.run
+    pending = [before_first_run] if before_first_run is not None else []
+
+    def run() -> None:
+        while pending:
+            pending.pop()()
+        while True:
+            try:
+                return original()
+            except Exception as error:
+                if not recover(error):
+                    raise
+
+    loop.run = run
+
+
+def load_trainer_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
+    """Restores ``state`` (the trainer's checkpoint dict) into a trainer in the middle of ``fit``: loops, dense
+    optimizers, schedulers, callbacks, and the data position (the training data loader is set up again)."""
+    connector = trainer._checkpoint_connector
+    connector._loaded_checkpoint = state
+    try:
+        connector.restore_callbacks()
+        connector.restore_training_state()
+    finally:
+        connector._loaded_checkpoint = {}
+    trainer.fit_loop._combined_loader = None  # set up again by the next run, at the restored position
+
+
+def reset_inner_ddp(model: nn.Module) -> None:
+    """Forgets a training step that failed part-way through DDP's backward (its reducer would refuse the next)."""
+    ddp = inner_ddp(model)
+    if ddp is not None:
+        ddp.reducer._reset_state()

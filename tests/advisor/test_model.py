@@ -16,7 +16,7 @@ SHAPES = [JobShape(tuple([16.0] * 26), 30_000, 26 * 1000 * 16 * 4),
 
 def truth() -> PerformanceModel:
     model = PerformanceModel()
-    model.train = np.array([2e-3, 4e-5, 3e-8, 1e-5, 2e-5, 1e-9, 1e-3, 2e-9])
+    model.train = np.array([2e-3, 4e-5, 3e-8, 1e-5, 2e-5, 1e-9, 1e-3, 2e-9, 5e-3])
     model.make = np.array([1e-3, 5e-6, 2e-6])
     model.wait = np.array([3e-6])
     model.memory = np.array([2e8, 1.5, 1e4])

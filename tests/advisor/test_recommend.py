@@ -19,7 +19,7 @@ SHAPE = JobShape(tuple([16.0] * 26), 30_000, 26 * 10**5 * 64)
 
 def model() -> PerformanceModel:
     m = PerformanceModel()
-    m.train = np.array([2e-3, 4e-5, 3e-8, 1e-5, 2e-5, 1e-9, 1e-3, 2e-9])
+    m.train = np.array([2e-3, 4e-5, 3e-8, 1e-5, 2e-5, 1e-9, 1e-3, 2e-9, 0.0])
     m.make = np.array([1e-3, 5e-6, 2e-6])
     m.wait = np.array([3e-6])
     m.memory = np.array([2e8, 1.0, 1e4])
@@ -149,3 +149,11 @@ def test_warm_start_fits_a_model_when_the_history_has_enough_configurations(tmp_
     best = max(configs, key=lambda c: truth.predict(c, sig.shape(), 8).samples_per_sec)
     assert start.config == best
     assert warm_start(history, signature(10**7), ResourceConfig(), SearchSpace(), MACHINE).config is None
+
+
+def test_candidates_keep_the_jobs_own_ranks_and_threads_outside_the_default_ladder():
+    current = ResourceConfig(1, 3, 3, 1, 64)  # 3 ranks x 3 threads on 2 cores: not on the 1, 2 ladder
+    space = SearchSpace(data_workers=(0, 1), batch_per_rank=(64, 1024))
+    found = space.candidates(Machine(cores=2, memory_bytes=2**34), current)
+    assert ResourceConfig(1, 3, 3, 1, 1024) in found  # a bigger batch at the job's own world size is a choice
+    assert {c.ranks_per_node for c in found} == {1, 2, 3}

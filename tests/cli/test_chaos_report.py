@@ -61,3 +61,25 @@ def test_the_rendezvous_store_listens_on_loopback_only():
         assert listening == ["127.0.0.1"]
     finally:
         sock.close()
+
+
+def test_in_process_recovery_is_reported_with_its_split():
+    common = dict(lost_ranks=[1], decode_s=0.01, reshard_s=0.03, lost_at=100.02)
+    events = [
+        event("fault_injected", 100.0, 12, rank=1, phase="before_forward", target="rank", signal="SIGKILL",
+              committed_step=12),
+        event("recovered_in_process", 100.40, 12, rank=0, survivor=True, failed_at=100.05, connected_at=100.30,
+              restored_at=100.40, **common),
+        event("recovered_in_process", 100.41, 12, rank=1, survivor=False, failed_at=None, connected_at=100.25,
+              restored_at=100.41, **common),
+        event("digest", 100.5, 12, digest="a" * 64, final=False),
+        event("resumed", 101.0, 13),
+        event("digest", 130.0, 30, digest="f" * 64, final=True),
+    ]
+    args = parse_args(["--in-process", "--nodes", "1", "--kill-rank", "1", "--at-step", "12"])
+    got = dict(line.split(": ", 1) for line in summarize(args, True, events, REFERENCE))
+    assert got["recovered"].startswith("yes, in process") and "ranks [1] replaced" in got["recovered"]
+    assert got["detection"].startswith("0.05 s") and got["replacement ready"].startswith("0.20 s")
+    assert got["decode"] == "0.040 s" and got["time to resume"].startswith("1.00 s")
+    assert got["steps lost"] == "0" and got["digest match"] == "yes"
+    assert got["restored state equals the fault-free state at step 12"] == "yes"

@@ -30,17 +30,18 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 class _Batches(IterableDataset):
     """Global batches ``start + i * step`` of ``source`` (for worker ``i`` of ``step``), sliced for ``rank``."""
 
-    def __init__(self, source, start: int, rank: int, world: int, hot: list[int]) -> None:
-        self.source, self.start, self.rank, self.world, self.hot = source, start, rank, world, hot
+    def __init__(self, source, global_batch: int, start: int, rank: int, world: int, hot: list[int]) -> None:
+        self.source, self.global_batch, self.start, self.rank, self.world = source, global_batch, start, rank, world
+        self.hot = hot
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         first, step = (self.start, 1) if info is None else (self.start + info.id, info.num_workers)
-        per = self.source.global_batch_size // self.world
-        rows = slice(self.rank * per, (self.rank + 1) * per)
-        for index in range(first, len(self.source), step):
-            dense, ids, labels = self.source.global_batch(index)
-            yield dense[rows], ids[rows], labels[rows]
+        batch = self.global_batch
+        per = batch // self.world
+        for index in range(first, len(self.source) // batch, step):
+            begin = index * batch + self.rank * per
+            yield self.source.rows(begin, begin + per)
 
 
 def multi_hot_batch(dense, ids, labels, hot: list[int]) -> Batch:
@@ -72,8 +73,8 @@ class KnobLoader:
         index = 0
         while True:
             batch, workers = self.batch, self.workers
-            source = SyntheticCriteo(self.sizes, batch * self.world, 10**6, seed=self.seed)
-            data = _Batches(source, index, self.rank, self.world, self.hot)
+            source = SyntheticCriteo(self.sizes, batch * self.world * 10**6, seed=self.seed)
+            data = _Batches(source, batch * self.world, index, self.rank, self.world, self.hot)
             stream = DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None,
                                 multiprocessing_context="fork" if workers else None)
             for dense, ids, labels in stream:
@@ -119,7 +120,8 @@ class KnobData(pl.LightningDataModule):
 
 class GridSweep(pl.Callback):
     """Runs segments of ``settle + measure`` steps at each ``(threads, workers, batch)``; rank 0 appends one JSON
-    line per segment (mean step seconds, data wait, peak RSS over ranks) to ``out``."""
+    line per segment (mean and median step seconds and data wait, peak RSS over ranks, and the cores other programs
+    left to the job, as the advisor measures them) to ``out``."""
 
     def __init__(self, segments, knobs: LoaderKnobs, monitor: ThroughputMonitor, settle: int, measure: int, out: str,
                  ranks_per_node: int) -> None:
@@ -137,15 +139,21 @@ class GridSweep(pl.Callback):
         self._set(self.segments[0])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning_dlrover.advisor.runtime import cpu_snapshot
+
         self.n += 1
         record = self.monitor.last_step
+        if self.n == self.settle:
+            self.cpu = cpu_snapshot(trainer.local_rank == 0)
         if self.n > self.settle and record is not None:
             self.acc.append([record.seconds, record.sections.get("data_wait", 0.0), record.rss_bytes])
         if self.n < self.settle + self.measure:
             return
-        stats = torch.tensor(self.acc, dtype=torch.float64).mean(0)
-        peak = torch.tensor([r[2] for r in self.acc], dtype=torch.float64).max()
-        values = torch.stack([stats[0], stats[1], peak])
+        cpu = [b - a for a, b in zip(self.cpu, cpu_snapshot(trainer.local_rank == 0))]  # job s, busy s, wall s
+        acc = torch.tensor(self.acc, dtype=torch.float64)
+        mean, median = acc.mean(0), acc.median(0).values
+        values = torch.cat([torch.stack([mean[0], mean[1], acc[:, 2].max(), median[0], median[1]]),
+                            torch.tensor(cpu, dtype=torch.float64)])
         if trainer.world_size > 1:
             gathered = [torch.zeros_like(values) for _ in range(trainer.world_size)]
             dist.all_gather(gathered, values)
@@ -153,11 +161,17 @@ class GridSweep(pl.Callback):
         else:
             values = values[None]
         if trainer.is_global_zero:
+            from lightning_dlrover.advisor.resources import available_cores
+            from lightning_dlrover.advisor.runtime import background_cores
+
             threads, workers, batch = self.segments[self.i]
+            cores = available_cores()
+            background = background_cores(values[:, 5:].tolist(), self.g, cores)
             row = {"nodes": trainer.world_size // self.g, "ranks_per_node": self.g, "threads_per_rank": threads,
                    "data_workers": workers, "batch_per_rank": batch, "step_s": float(values[:, 0].max()),
                    "data_wait_s": float(values[:, 1].mean()), "rss_bytes": float(values[:, 2].max()),
-                   "time": time.time()}
+                   "step_s_median": float(values[:, 3].max()), "data_wait_s_median": float(values[:, 4].mean()),
+                   "cores_available": cores - background, "time": time.time()}
             with open(self.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"grid {row}", flush=True)
@@ -166,6 +180,25 @@ class GridSweep(pl.Callback):
             trainer.should_stop = True
         else:
             self._set(self.segments[self.i])
+
+
+class SampleBudget(pl.Callback):
+    """Stops the fit once the job has trained ``samples`` samples (all ranks; the per-rank batch may change on the
+    way); rank 0 prints ``JOB_SAMPLES n seconds s`` (samples trained, seconds since the first step) at the end."""
+
+    def __init__(self, samples: int, monitor: ThroughputMonitor) -> None:
+        self.samples, self.monitor, self.done, self.start = samples, monitor, 0, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.start = self.start or time.time()
+        record = self.monitor.last_step
+        self.done += (record.samples if record is not None else 0) * trainer.world_size
+        if self.done >= self.samples:
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            print(f"JOB_SAMPLES {self.done} seconds {time.time() - (self.start or time.time()):.3f}", flush=True)
 
 
 class SlowRank(pl.Callback):
@@ -179,6 +212,9 @@ class SlowRank(pl.Callback):
         return trainer.global_rank == self.rank and trainer.global_step >= self.start
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._slow(trainer) and not getattr(self, "announced", False):
+            self.announced = True
+            print(f"SLOW_START step={trainer.global_step} time={time.time()}", flush=True)
         if self._slow(trainer) and not self.sleep:
             end = time.thread_time() + self.seconds
             a = torch.randn(64, 64)
@@ -255,12 +291,21 @@ def main() -> None:
     p.add_argument("--slow-from", type=int, default=20)
     p.add_argument("--slow-ms", type=float, default=30.0)
     p.add_argument("--slow-sleep", action="store_true")
+    p.add_argument("--objective", default="throughput")
+    p.add_argument("--target", type=float, default=None, help="samples/s of the cost objective")
+    p.add_argument("--cost-per-node", type=float, default=1.0)
+    p.add_argument("--cost-per-core", type=float, default=0.0)
+    p.add_argument("--extrapolate", action="store_true")
+    p.add_argument("--ckpt_path", default=None, help="resume from this checkpoint")
+    p.add_argument("--samples", type=int, default=0, help="stop after this many samples (all ranks)")
+    p.add_argument("--restart", default="print", help="ResourceAdvisor(restart=...)")
     p.add_argument("--leak-mb", type=float, default=0.0)
     p.add_argument("--leak-from", type=int, default=5)
     p.add_argument("--headroom-mb", type=float, default=None, help="node memory limit: memory at --leak-from + this")
     args = p.parse_args()
 
     pl.seed_everything(args.seed)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # Lightning would set cores // ranks on every rank
     torch.set_num_threads(args.threads)
     sizes = [args.rows] * NUM_SPARSE
     hot = [1] * NUM_SPARSE
@@ -292,8 +337,12 @@ def main() -> None:
     if args.advisor:
         advisor = ResourceAdvisor(
             profile_steps=args.profile_steps, probe_steps=args.probe_steps, apply=args.apply, history=args.history,
-            check_every_n_steps=args.check_every, search=json.loads(args.search) if args.search else None)
+            check_every_n_steps=args.check_every, search=json.loads(args.search) if args.search else None,
+            restart=args.restart, objective=args.objective, target_samples_per_sec=args.target,
+            cost_per_node_hour=args.cost_per_node, cost_per_core_hour=args.cost_per_core, extrapolate=args.extrapolate)
         callbacks.append(advisor)
+    if args.samples:
+        callbacks.append(SampleBudget(args.samples, monitor))
     if args.leak_mb:
         headroom = args.headroom_mb * 2**20 if args.headroom_mb else None
         callbacks.append(Leak(args.leak_mb, args.leak_from, headroom, advisor))
@@ -304,11 +353,13 @@ def main() -> None:
         accelerator="cpu", devices=args.devices, strategy=DLRoverStrategy(sharding_types=["table_wise"],
                                                                           constraints=constraints or None,
                                                                           print_digest=False),
-        max_steps=args.steps if not args.sweep else 10**6, limit_val_batches=0, logger=False,
+        max_steps=args.steps if not (args.sweep or args.samples) else 10**6, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         default_root_dir=args.root,
     )
-    trainer.fit(model, data)
+    trainer.fit(model, data, ckpt_path=args.ckpt_path)
+    if trainer.is_global_zero:
+        print(f"FINAL_STEP {trainer.global_step} world_size {trainer.world_size}", flush=True)
 
 
 if __name__ == "__main__":

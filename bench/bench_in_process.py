@@ -1,0 +1,119 @@
+"""Recovery of a lost rank in process (``lightning-dlrover launch``, hot spare or cold) against the restart path.
+
+Same job as ``bench/bench_recovery.py`` (the chaos config with 26 tables of ``--rows`` x ``--dim``, k=1 r=1):
+
+- ``in-process hot``: one launcher, 4 ranks and 1 hot spare; rank 0 is SIGKILLed before the forward of step
+  ``--at-step``; the survivors stay in ``fit``, the spare takes rank 0;
+- ``in-process cold``: the same with no spare (a process is started for the rank after the loss);
+- ``dcp``, ``parity restart``: ``bench_recovery.measure`` in the same run (2 ``torchrun`` agents x 2 ranks, node
+  0 killed, every worker restarted; a checkpoint at the kill step for ``dcp``, spills for ``parity``).
+
+Times (seconds, from the jobs' own events): ``detect`` kill to the first survivor's failed collective;
+``replacement`` from there until the replacement reached its fit loop (it imported, set up and sharded its
+model); ``decode`` decode + re-shard; ``restore`` until every rank restored the committed step; ``1st step``
+until the first step after it was committed; ``total`` kill to that commit. ``x dcp`` is dcp's total over the
+method's.
+
+    PYTHONPATH=. python bench/bench_in_process.py                # 20k rows per table (127 MiB), ~4 min
+    PYTHONPATH=. python bench/bench_in_process.py --rows 100000  # 635 MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench_recovery  # noqa: E402
+
+from lightning_dlrover.monitor.events import read_events  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int) -> dict[str, float]:
+    """One in-process drill; timings from its events."""
+    config = bench_recovery.job_config(rows, args.dim, "parity", args.at_step, args.at_step + args.after_steps, workdir)
+    run_dir = workdir / f"inprocess-{spares}-{rows}"
+    run_dir.mkdir()
+    events_path = run_dir / "events.jsonl"
+    env = {**os.environ, "LIGHTNING_DLROVER_EVENTS": str(events_path),
+           "LIGHTNING_DLROVER_FAULT": f"rank=0,step={args.at_step},phase=before_forward"}
+    command = [sys.executable, "-m", "lightning_dlrover", "launch", "--nproc-per-node", str(args.ranks),
+               "--spares", str(spares), "--master", f"127.0.0.1:{free_port()}", "--", "-m", "lightning_dlrover", "fit",
+               "--config", str(config), f"--trainer.default_root_dir={run_dir}"]
+    with open(run_dir / "launch.log", "w") as log:
+        code = subprocess.run(command, env=env, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
+    events = read_events([events_path])
+    recovered = [e for e in events if e.kind == "recovered_in_process"]
+    if code != 0 or not recovered:
+        sys.exit(f"in-process drill ({spares} spares, {rows} rows) did not recover in process; see {run_dir}")
+    kill = next(e for e in events if e.kind == "fault_injected").time
+    resumed = next(e for e in events if e.kind == "resumed").time
+    survivors = [e for e in recovered if e.fields["survivor"]]
+    joiner = next(e for e in recovered if not e.fields["survivor"])
+    failed = min(e.fields["failed_at"] for e in survivors)
+    restored = max(e.fields["restored_at"] for e in recovered)
+    return {
+        "detect": failed - kill,
+        "replacement": joiner.fields["connected_at"] - failed,
+        "decode": max(e.fields["decode_s"] + e.fields["reshard_s"] for e in recovered),
+        "restore": restored - joiner.fields["connected_at"],
+        "first_step": resumed - restored,
+        "total": resumed - kill,
+    }
+
+
+def restart(rows: int, method: str, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    r = bench_recovery.measure(rows, args.dim, method, args, workdir)
+    return {"detect": r["detect"], "replacement": r["restart"], "decode": r["restore"], "restore": r["restore"],
+            "first_step": r["first_step"], "total": r["total"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[20_000], help="rows per table")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--ranks", type=int, default=4, help="ranks of the in-process job")
+    parser.add_argument("--at-step", type=int, default=8)
+    parser.add_argument("--after-steps", type=int, default=6)
+    parser.add_argument("--methods", nargs="+", default=["in-process hot", "in-process cold", "parity restart", "dcp"])
+    args = parser.parse_args()
+    table = []
+    with tempfile.TemporaryDirectory(prefix="bench_in_process_") as tmp:
+        for rows in args.rows:
+            results = {}
+            for method in args.methods:
+                if method.startswith("in-process"):
+                    results[method] = in_process(rows, args, Path(tmp), spares=1 if method.endswith("hot") else 0)
+                else:
+                    results[method] = restart(rows, "parity" if method == "parity restart" else method, args, Path(tmp))
+                print(f"{rows} rows, {method}: {results[method]}", flush=True)
+            table.append((rows, results))
+    print(f"\nLost rank to first committed step after it. 26 tables x {args.dim} columns fp32, row-wise Adagrad, gloo "
+          "on CPU, 127.0.0.1. Seconds from the jobs' events.")
+    header = f"{'emb MiB':>8} {'method':<16} {'detect':>7} {'replace':>8} {'decode':>7} {'restore':>8} {'1st step':>9} {'total':>7} {'x dcp':>6}"
+    print(header)
+    print("-" * len(header))
+    for rows, results in table:
+        base = results.get("dcp")
+        for method, r in results.items():
+            ratio = base["total"] / r["total"] if base else float("nan")
+            print(f"{26 * rows * args.dim * 4 / 2**20:>8.0f} {method:<16} {r['detect']:>7.2f} {r['replacement']:>8.2f} "
+                  f"{r['decode']:>7.3f} {r['restore']:>8.2f} {r['first_step']:>9.2f} {r['total']:>7.2f} {ratio:>6.1f}")
+    print("restart rows: 'replace' is the restart (workers exit, re-rendezvous, import, build); 'decode' and 'restore' "
+          "the restore (decode + re-shard for parity, the checkpoint load for dcp).")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""``lightning-dlrover launch``: one launcher per machine that keeps survivors running when a rank is lost.
+
+``torchrun`` stops every worker of the job when one fails. This launcher does not: when one of its
+workers dies it hands the lost rank to a hot spare (a process of the same program waiting with everything
+imported) or to a freshly started process, and publishes a recovery plan in its store; the survivors, who
+saw their collective fail, roll back to the last committed step in memory, rebuild their communicator
+with the replacement and go on inside ``fit`` (see :mod:`lightning_dlrover.fault.inprocess`). If the
+in-process path fails (a loss parity cannot cover, a second loss during recovery, no replacement) the
+launcher falls back to what ``torchrun`` does: it restarts every worker, which restore from their spills
+or the newest checkpoint. Workers see the same environment ``torchrun`` gives them.
+
+Example (two machines, two ranks each, one hot spare each)::
+
+    # machine A (hosts the store)            # machine B
+    lightning-dlrover launch --nnodes 2 --node-rank 0 --nproc-per-node 2 --spares 1 \\
+        --master 10.0.0.1:29500 -- train.py --config job.yaml
+    lightning-dlrover launch --nnodes 2 --node-rank 1 --nproc-per-node 2 --spares 1 \\
+        --master 10.0.0.1:29500 -- train.py --config job.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+from lightning_dlrover.fault import membership
+from lightning_dlrover.monitor.events import emit
+
+
+@dataclass
+class Worker:
+    """A worker process and the rank it holds (``None`` for an unassigned spare)."""
+
+    process: subprocess.Popen
+    rank: int | None
+    spare: int | None = None
+
+
+@dataclass
+class Launcher:
+    """Starts, watches and replaces this machine's workers."""
+
+    args: argparse.Namespace
+    store: TCPStore
+    run_id: str
+    restarts: int = 0
+    workers: list[Worker] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.args.nnodes * self.args.nproc_per_node
+
+    def env(self, rank: int | None, local_rank: int, spare: int | None) -> dict[str, str]:
+        a = self.args
+        host, _, port = a.master.rpartition(":")
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank if rank is not None else self.world_size - 1), LOCAL_RANK=str(local_rank if rank is not None else 0),
+            WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(a.nproc_per_node), GROUP_RANK=str(a.node_rank),
+            MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_RUN_ID=self.run_id,
+            TORCHELASTIC_RESTART_COUNT=str(self.restarts), TORCHELASTIC_USE_AGENT_STORE="True",
+            **{membership.STORE_ENV: a.master},
+        )  # fmt: skip
+        if spare is not None:
+            env[membership.SPARE_ENV] = str(spare)
+        return env
+
+    def spawn(self, rank: int | None, local_rank: int) -> Worker:
+        """Starts the rank ``rank``, or a spare when ``rank`` is ``None``."""
+        spare = membership.register_spare(self.store, self.restarts) if rank is None else None
+        env = self.env(rank, local_rank, spare)
+        worker = Worker(subprocess.Popen([sys.executable, *self.args.program], env=env), rank, spare)
+        self.workers.append(worker)
+        return worker
+
+    def start(self) -> None:
+        a = self.args
+        first = a.node_rank * a.nproc_per_node
+        for local in range(a.nproc_per_node):
+            self.spawn(first + local, local)
+        for spare in range(a.spares):
+            self.spawn(None, a.nproc_per_node + spare)
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            if worker.process.poll() is None:
+                worker.process.kill()
+        for worker in self.workers:
+            worker.process.wait()
+        self.workers = []
+
+    def replace(self, lost: list[Worker]) -> None:
+        """Hands the ``lost`` ranks to spares (the oldest first, on any machine; a new process where the pool is
+        empty), publishes the recovery plan for the survivors and refills this machine's pool."""
+        replacements: dict[int, int] = {}
+        cold: list[int] = []
+        for worker in lost:
+            claimed = membership.claim_spare(self.store, self.restarts)
+            if claimed is None:  # no hot spare left: a new process takes the rank (it imports everything first)
+                cold.append(worker.rank)
+                claimed = self.spawn(None, self.args.nproc_per_node + len(self.workers)).spare
+                membership.claim_spare(self.store, self.restarts)
+            replacements[worker.rank] = claimed
+            self.workers.remove(worker)
+        plan = membership.publish_plan(self.store, self.restarts, sorted(replacements), self.world_size, replacements)
+        for worker in self.workers:
+            if worker.rank is None and worker.spare in replacements.values():
+                worker.rank = next(r for r, s in replacements.items() if s == worker.spare)
+        for _ in range(len(replacements) - len(cold)):  # keep this machine's pool of hot spares full
+            self.spawn(None, self.args.nproc_per_node + len(self.workers))
+        emit("replacement_planned", generation=plan.generation, lost_ranks=plan.lost,
+             replacements={str(k): v for k, v in plan.replacements.items()}, cold=cold,
+             message=f"generation {plan.generation}: ranks {plan.lost} replaced by spares {plan.replacements}"
+             + (f" (started cold for ranks {cold})" if cold else ""))
+
+    def run(self) -> int:
+        """Watches the workers until every rank finished; returns the job's exit code."""
+        self.start()
+        recovering_since: float | None = None
+        while True:
+            time.sleep(self.args.monitor_interval)
+            for spare in [w for w in self.workers if w.rank is None and w.process.poll() is not None]:
+                self.workers.remove(spare)  # a dead spare only shrinks the pool
+            failed = [w for w in self.workers if w.process.poll() not in (None, 0)]
+            if failed:
+                recent = recovering_since is not None and time.time() - recovering_since < self.args.recovery_window
+                survivors = [w for w in self.workers if w.rank is not None and w.process.poll() is None]
+                if survivors and not recent and not self.args.no_in_process:
+                    self.replace(failed)
+                    recovering_since = time.time()
+                    continue
+                if self.restarts >= self.args.max_restarts:
+                    return 1
+                emit("restarting_all", restarts=self.restarts + 1, failed_ranks=[w.rank for w in failed],
+                     message=f"ranks {[w.rank for w in failed]} failed "
+                     + ("with no survivor" if not survivors else "during in-process recovery" if recent else "")
+                     + ": restarting every worker")
+                self.stop()
+                self.restarts += 1
+                self.start()
+                recovering_since = None
+                continue
+            ranks = [w for w in self.workers if w.rank is not None]
+            if ranks and all(w.process.poll() == 0 for w in ranks):
+                return 0
+
+
+def serve_store(address: str) -> tuple[TCPStore, socket.socket]:
+    """Hosts the job's store at ``host:port`` (binding that address only); the store serves on the returned
+    socket's descriptor, which must stay open as long as the store."""
+    host, _, port = address.rpartition(":")
+    sock = socket.socket()
+    sock.bind((host, int(port)))
+    sock.listen(256)
+    store = TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                     master_listen_fd=sock.fileno(), timeout=timedelta(seconds=60))
+    return store, sock
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lightning-dlrover launch", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the job")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 hosts the store)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks on this machine")
+    p.add_argument("--spares", type=int, default=1, help="hot spares kept on this machine (0: replacements start cold)")
+    p.add_argument("--master", default="127.0.0.1:29500", help="host:port of the store (on machine 0)")
+    p.add_argument("--run-id", default=None, help="job id (default: random)")
+    p.add_argument("--max-restarts", type=int, default=3, help="full restarts when in-process recovery fails")
+    p.add_argument("--recovery-window", type=float, default=60.0,
+                   help="seconds after a replacement in which another failure means the in-process recovery failed")
+    p.add_argument("--no-in-process", action="store_true", help="restart every worker on any failure, like torchrun")
+    p.add_argument("--monitor-interval", type=float, default=0.05, help="seconds between checks of the workers")
+    p.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py [args] (or -m module [args])")
+    args = p.parse_args(argv)
+    if args.program[:1] == ["--"]:
+        args.program = args.program[1:]
+    if not args.program:
+        p.error("give the program to run after `--`, e.g. `-- train.py --config job.yaml`.")
+    for name in ("nnodes", "nproc_per_node"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1.")
+    if not 0 <= args.node_rank < args.nnodes:
+        p.error(f"--node-rank {args.node_rank} is outside [0, {args.nnodes}).")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    store, sock = serve_store(args.master) if args.node_rank == 0 else (membership.connect(args.master), None)
+    launcher = Launcher(args, store, args.run_id or f"dlrover-{uuid.uuid4().hex[:8]}")
+    try:
+        return launcher.run()
+    finally:
+        launcher.stop()
+        if sock is not None:
+            sock.close()

@@ -1,0 +1,135 @@
+"""In-process recovery: survivors stay in ``fit`` while a replacement takes a lost rank's place.
+
+Under ``lightning-dlrover launch`` (see :mod:`lightning_dlrover.cli.launch`) a lost rank no longer stops
+the job. The sequence, on every rank:
+
+1. **Detect.** A survivor's collective fails (gloo reports a closed peer within milliseconds; a silent peer at
+   the collective timeout). The launcher that saw the process die publishes a :class:`~lightning_dlrover.fault.
+   membership.Plan`: the lost ranks and the spare taking each one.
+2. **Wait for the replacement.** A hot spare (a process of the same program, blocked before its process group
+   with everything imported) takes the rank number, builds its trainer and model while *joining* (its
+   set-up collectives are answered locally, see :class:`~lightning_dlrover.fault.process_group.ReconfigurableGroup`).
+3. **Rebuild the communicator.** Everyone connects generation ``g + 1`` of the world group (same ranks,
+   same world size; TorchRec's modules keep their group object).
+4. **Decode.** :meth:`FaultManager.rejoin`: survivors roll back to the last committed step in memory, the
+   replacement's embedding shards and optimizer state are decoded from parity, the dense and trainer state
+   come from a survivor, and parity is encoded afresh.
+5. **Resume.** Lightning's loops are restored to the committed step and the fit loop runs again from there.
+
+Anything that goes wrong on the way (no plan, a loss parity cannot cover, a second failure) raises the
+original error: the process leaves ``fit``, spills, and the launcher restarts every worker (today's path).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_dlrover.fault import membership
+from lightning_dlrover.fault.manager import FaultManager, Host
+from lightning_dlrover.fault.process_group import ReconfigurableGroup
+from lightning_dlrover.fault.recovery import RecoveryReport
+from lightning_dlrover.monitor import emit
+
+
+@dataclass
+class JoinTimes:
+    """Wall-clock marks of one in-process recovery on one rank (``time.time()``; ``None`` when not seen here)."""
+
+    lost_at: float | None = None  # the launcher saw the process die
+    failed_at: float | None = None  # this survivor's collective failed
+    assigned_at: float | None = None  # the spare was handed the rank
+    connected_at: float | None = None  # generation g + 1 of the world group is up
+    restored_at: float | None = None  # decode, dense and trainer state done
+
+
+def world_group() -> ReconfigurableGroup | None:
+    """The job's world group when it is reconfigurable (in-process recovery on), else ``None``."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    return group if isinstance(group, ReconfigurableGroup) else None
+
+
+def launch_index() -> int:
+    """Which full launch of the job this is (the launcher's restart count)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def take_rank_if_spare() -> membership.Assignment | None:
+    """On a hot spare: blocks until the launcher hands it a lost rank and makes this process that rank's worker
+    (before its process group starts). ``None`` on an ordinary worker."""
+    index = os.environ.get(membership.SPARE_ENV)
+    if not index:
+        return None
+    store = membership.connect()
+    assignment = membership.wait_for_assignment(store, launch_index(), int(index))
+    membership.become(assignment)
+    membership.announce_ready(store, launch_index(), assignment)
+    return assignment
+
+
+class InProcessRecovery:
+    """The survivor and replacement sides of in-process recovery for one :class:`FaultManager`."""
+
+    def __init__(self, manager: FaultManager, assignment: membership.Assignment | None = None) -> None:
+        self.manager = manager
+        self.times = JoinTimes(assigned_at=assignment.assigned_at if assignment is not None else None)
+        self._store = membership.connect() if membership.enabled() else None
+
+    @property
+    def joining(self) -> bool:
+        """Whether this process is a replacement that has not joined yet."""
+        group = world_group()
+        return group is not None and group.joining
+
+    def recover(self, host: Host, error: BaseException) -> RecoveryReport | None:
+        """On a survivor whose step failed with ``error``: waits for the launcher's plan, rebuilds the world group
+        with the replacements and restores the committed step. ``None`` (the caller re-raises ``error``) when this
+        is not a peer loss the job can recover in process."""
+        group = world_group()
+        if group is None or self._store is None or not isinstance(error, RuntimeError):
+            return None
+        self.times = JoinTimes(failed_at=time.time())
+        plan = membership.wait_for_plan(self._store, launch_index(), group.generation + 1)
+        if plan is None:
+            emit("in_process_refused", why="no recovery plan from the launcher", error=str(error)[:200],
+                 message=f"rank {host.global_rank}: {type(error).__name__} and no rank reported lost: not recovering in process")
+            return None
+        if host.global_rank in plan.lost:
+            return None  # a rank the launcher believes dead must not come back as a survivor
+        self.times.lost_at = plan.reported_at
+        if not membership.wait_for_replacements(self._store, launch_index(), plan):
+            emit("in_process_refused", why="the replacement did not start in time", error=str(error)[:200],
+                 message=f"rank {host.global_rank}: no replacement for ranks {plan.lost}: not recovering in process")
+            return None
+        group.reconfigure(plan.generation)
+        self.times.connected_at = time.time()
+        return self._restore(host, survivor=True, lost=plan.lost)
+
+    def join(self, host: Host) -> RecoveryReport:
+        """On a replacement, at the start of its fit loop: joins the survivors' generation of the world group
+        and receives the committed state."""
+        group = world_group()
+        assert group is not None and group.joining
+        group.joining = False
+        membership.joined()
+        self.times.connected_at = time.time()
+        return self._restore(host, survivor=False, lost=[host.global_rank])
+
+    def _restore(self, host: Host, survivor: bool, lost: list[int]) -> RecoveryReport:
+        report = self.manager.rejoin(host, survivor=survivor)
+        self.times.restored_at = time.time()
+        t = self.times
+        emit("recovered_in_process", step=report.step, survivor=survivor, lost_ranks=lost, decode_s=report.decode_s,
+             reshard_s=report.reshard_s, lost_at=t.lost_at, failed_at=t.failed_at, connected_at=t.connected_at,
+             restored_at=t.restored_at,
+             message=f"rank {host.global_rank} ({'survivor' if survivor else 'replacement'}) recovered in process at "
+             f"step {report.step}: ranks {lost} replaced; {report}" if host.is_global_zero else None)
+        return report
+
+    def summary(self) -> dict[str, Any]:
+        """The marks of the last recovery on this rank."""
+        return dict(vars(self.times))

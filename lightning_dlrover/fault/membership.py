@@ -1,0 +1,192 @@
+"""Who is in the job: workers, hot spares and the recovery plans that replace lost ranks, kept in the
+launcher's store so that no worker's death takes them with it.
+
+Keys (all under ``lightning_dlrover/<launch>/``, ``<launch>`` counting the launcher's full restarts):
+
+- ``spares``: count of spares that ever registered; ``spare/<i>``: ``host:pid`` of spare ``i``;
+  ``spares_claimed``: count of spares handed a rank (spares are used in registration order).
+- ``assign/<i>``: the :class:`Assignment` of spare ``i`` (JSON), written when it takes a lost rank.
+- ``generation``: the newest communicator generation; ``plan/<g>``: the :class:`Plan` that starts
+  generation ``g`` (JSON), written by the launcher that saw the loss.
+
+Survivors that see a collective fail wait for ``plan/<g + 1>``; a spare waits for its ``assign/<i>``; both
+then build generation ``g + 1`` of the world group (:mod:`lightning_dlrover.fault.process_group`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+from torch.distributed import Store, TCPStore
+
+#: ``host:port`` of the launcher's store; set by ``lightning-dlrover launch`` (in-process recovery on).
+STORE_ENV = "LIGHTNING_DLROVER_STORE"
+#: Set on hot-spare processes (their index in the launcher's spare pool is assigned on registration).
+SPARE_ENV = "LIGHTNING_DLROVER_SPARE"
+#: Set by :func:`become` on a spare that took a rank: it is joining generation ``$LIGHTNING_DLROVER_GENERATION``.
+JOINING_ENV = "LIGHTNING_DLROVER_JOINING"
+GENERATION_ENV = "LIGHTNING_DLROVER_GENERATION"
+#: Seconds a survivor waits for the launcher's recovery plan after a collective failed (default 10).
+PLAN_TIMEOUT_ENV = "LIGHTNING_DLROVER_PLAN_TIMEOUT"
+#: Seconds survivors wait for the replacements to start their process group (a cold start imports everything;
+#: default 600).
+REPLACEMENT_TIMEOUT_ENV = "LIGHTNING_DLROVER_REPLACEMENT_TIMEOUT"
+PREFIX = "lightning_dlrover/"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The recovery that starts communicator ``generation``: ranks ``lost`` and the spare taking each one
+    (``replacements[rank] = spare index``); ``reported_at`` is the launcher's clock when it saw the loss."""
+
+    generation: int
+    lost: list[int]
+    replacements: dict[int, int]
+    reported_at: float
+
+    @property
+    def covered(self) -> bool:
+        """Whether every lost rank has a replacement."""
+        return all(rank in self.replacements for rank in self.lost)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What a spare becomes: ``rank`` of ``world_size`` in communicator ``generation``."""
+
+    rank: int
+    world_size: int
+    generation: int
+    assigned_at: float
+
+
+def enabled() -> bool:
+    """Whether this process runs under ``lightning-dlrover launch`` with in-process recovery."""
+    return bool(os.environ.get(STORE_ENV))
+
+
+def is_joining() -> bool:
+    """Whether this process is a spare that was handed a lost rank and has not joined yet."""
+    return os.environ.get(JOINING_ENV) == "1"
+
+
+def become(assignment: Assignment) -> None:
+    """Makes this spare process the worker ``assignment`` names (the environment Lightning and
+    ``init_process_group`` read), joining at generation ``assignment.generation``."""
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    os.environ.update(
+        RANK=str(assignment.rank), LOCAL_RANK=str(assignment.rank % local_world_size),
+        WORLD_SIZE=str(assignment.world_size), **{JOINING_ENV: "1", GENERATION_ENV: str(assignment.generation)},
+    )
+
+
+def joined() -> None:
+    """The join protocol finished: this process is an ordinary worker from now on."""
+    os.environ.pop(JOINING_ENV, None)
+
+
+def connect(address: str | None = None, timeout: float = 60.0) -> TCPStore:
+    """A client of the launcher's store at ``address`` (``host:port``; default ``$LIGHTNING_DLROVER_STORE``)."""
+    address = address or os.environ.get(STORE_ENV)
+    if not address:
+        raise RuntimeError(f"${STORE_ENV} is not set: in-process recovery needs `lightning-dlrover launch`.")
+    host, _, port = address.rpartition(":")
+    return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def _get(store: Store, key: str) -> str:
+    return store.get(PREFIX + key).decode()
+
+
+def _set(store: Store, key: str, value: object) -> None:
+    store.set(PREFIX + key, value if isinstance(value, str) else json.dumps(value))
+
+
+# ------------------------------------------------------------------------------------------ spares
+def register_spare(store: Store, launch: int) -> int:
+    """Adds a spare to launch ``launch``'s pool (called by the launcher that starts it); returns its index."""
+    index = int(store.add(PREFIX + f"{launch}/spares", 1)) - 1
+    _set(store, f"{launch}/spare/{index}", socket.gethostname())
+    return index
+
+
+def wait_for_assignment(store: Store, launch: int, index: int) -> Assignment:
+    """Blocks until spare ``index`` of launch ``launch`` is handed a rank (as long as the job runs)."""
+    key = PREFIX + f"{launch}/assign/{index}"
+    while True:
+        try:
+            store.wait([key], timedelta(seconds=30))
+            break
+        except Exception:  # noqa: BLE001 - the store's timeout: keep waiting, the job may run for days
+            continue
+    return Assignment(**json.loads(store.get(key)))
+
+
+def claim_spare(store: Store, launch: int) -> int | None:
+    """Takes the oldest unclaimed spare of launch ``launch``; ``None`` when the pool is empty."""
+    claimed = int(store.add(PREFIX + f"{launch}/spares_claimed", 1)) - 1
+    if claimed < int(store.add(PREFIX + f"{launch}/spares", 0)):
+        return claimed
+    store.add(PREFIX + f"{launch}/spares_claimed", -1)
+    return None
+
+
+# ----------------------------------------------------------------------------------- recovery plans
+def publish_plan(store: Store, launch: int, lost: list[int], world_size: int, spares: dict[int, int]) -> Plan:
+    """Starts a new generation of launch ``launch`` that replaces ``lost`` by ``spares`` (``rank -> spare
+    index``), assigns the spares and publishes the plan for the survivors."""
+    generation = int(store.add(PREFIX + f"{launch}/generation", 1))
+    now = time.time()
+    for rank, spare in spares.items():
+        _set(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, world_size, generation, now)))
+    plan = Plan(generation, sorted(lost), dict(spares), now)
+    _set(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {str(k): v for k, v in spares.items()}})
+    return plan
+
+
+def wait_for_plan(store: Store, launch: int, generation: int, timeout: float | None = None) -> Plan | None:
+    """The plan that starts ``generation`` of launch ``launch``, or ``None`` if the launcher published none
+    within ``timeout`` seconds."""
+    timeout = timeout if timeout is not None else float(os.environ.get(PLAN_TIMEOUT_ENV, "10"))
+    key = PREFIX + f"{launch}/plan/{generation}"
+    try:
+        store.wait([key], timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - the store raises on timeout
+        return None
+    raw = json.loads(store.get(key))
+    raw["replacements"] = {int(k): v for k, v in raw["replacements"].items()}
+    return Plan(**raw)
+
+
+# ------------------------------------------------------------------------------------- sharding plan
+def publish_sharding_plan(store: Store, launch: int, plan: object) -> None:
+    """Keeps the job's sharding plan for replacements (which must not run the planner's collective)."""
+    store.set(PREFIX + f"{launch}/sharding_plan", pickle.dumps(plan))
+
+
+def read_sharding_plan(store: Store, launch: int) -> object:
+    """The sharding plan rank 0 published for this launch (the job's own store: trusted like its rendezvous)."""
+    return pickle.loads(store.get(PREFIX + f"{launch}/sharding_plan"))  # noqa: S301
+
+
+# ------------------------------------------------------------------------------------ replacements
+def announce_ready(store: Store, launch: int, assignment: Assignment) -> None:
+    """A replacement is about to connect generation ``assignment.generation`` of the world group."""
+    _set(store, f"{launch}/ready/{assignment.generation}/{assignment.rank}", str(os.getpid()))
+
+
+def wait_for_replacements(store: Store, launch: int, plan: Plan, timeout: float | None = None) -> bool:
+    """Whether every replacement of ``plan`` announced itself within ``timeout`` seconds."""
+    timeout = timeout if timeout is not None else float(os.environ.get(REPLACEMENT_TIMEOUT_ENV, "600"))
+    keys = [PREFIX + f"{launch}/ready/{plan.generation}/{rank}" for rank in plan.lost]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - the store raises on timeout
+        return False
+    return True

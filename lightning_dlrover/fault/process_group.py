@@ -1,0 +1,216 @@
+"""A world process group whose gloo communicator can be replaced while the job runs.
+
+TorchRec's ``DistributedModelParallel`` keeps the world group in many places (``ShardingEnv``, the
+all-to-all modules, the sharding objects, DDP), so a lost rank cannot be replaced by handing them a new
+group. :class:`ReconfigurableGroup` is that world group for the job's whole life: every collective goes to
+an inner ``ProcessGroupGloo``, and :meth:`ReconfigurableGroup.reconfigure` swaps the inner group for one on
+a fresh store prefix (same rank and world size; a replacement process takes the lost rank's number).
+
+While a replacement process builds its trainer and model it is *joining*: its collectives are answered
+locally as if every rank held its own values (Lightning's set-up barriers and broadcasts, DDP's parameter
+check), because the survivors, who are in the middle of training, do not run them. The join protocol of
+:mod:`lightning_dlrover.fault.inprocess` ends that state on both sides at the same point.
+
+Why not ``torchft.process_group.ProcessGroupGloo``: its wrapper reports the rank it was constructed with
+(0) after reconfiguration, has no ``gather``/``scatter``/``allgather_coalesced``, which TorchRec and
+Lightning use, and needs OpenTelemetry at import.
+
+Example::
+
+    register()  # once per process, before init_process_group
+    dist.init_process_group(BACKEND, init_method="env://")
+    group = dist.group.WORLD                 # a ReconfigurableGroup
+    group.reconfigure(generation=1)          # after a loss: every rank, with the replacement
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+BACKEND = "dlrover_gloo"
+"""Name of the reconfigurable backend for ``init_process_group`` (``DLRoverStrategy(process_group_backend=...)``)."""
+
+_create_work = torch._C._distributed_c10d._create_work_from_future
+
+
+class ReconfigurableGroup(dist.ProcessGroup):
+    """The job's world group: a gloo group on ``<generation>/`` of ``store`` that can be replaced in place.
+
+    Args:
+        store: the job's store (hosted by the launcher, so it outlives any worker).
+        rank: this process's rank.
+        world_size: number of ranks.
+        timeout: collective timeout of the inner gloo groups.
+        joining: start in the joining state (a replacement building its model).
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta,
+                 joining: bool = False, generation: int = 0) -> None:
+        super().__init__(rank, world_size)
+        self._store, self._timeout = store, timeout
+        #: Full launches of the job before this one (the launcher's restarts): each has its own store keys.
+        self.launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.generation = generation
+        self.joining = joining
+        self._inner: dist.ProcessGroup | None = None
+        self._name: str | None = None
+        self._lock = threading.Lock()
+        self._connect(generation)
+
+    def _connect(self, generation: int) -> None:
+        store = dist.PrefixStore(f"dlrover_pg/{self.launch}/{generation}/", self._store)
+        inner = dist.ProcessGroupGloo(store, self.rank(), self.size(), self._timeout)
+        with self._lock:
+            self._inner, self.generation = inner, generation
+            # The group's name lives in its backends (DeviceMesh looks the world group up by name); C++ callers that
+            # dispatch by device (DDP's reducer) reach the current gloo group through this registration too.
+            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, inner)
+            if self._name is not None:
+                self._set_group_name(self._name)
+
+    def reconfigure(self, generation: int) -> float:
+        """Replaces the inner gloo group by a new one for ``generation`` (collective over the new members:
+        blocks until every rank, the replacement included, has called it). Returns the seconds it took."""
+        if generation <= self.generation:
+            raise ValueError(f"generation {generation} is not newer than the current {self.generation}.")
+        started = _now()
+        self._inner = None  # a failed peer's group is never used again
+        self._connect(generation)
+        return _now() - started
+
+    def getBackendName(self) -> str:
+        return "gloo"  # what runs the collectives; torch and TorchRec pick CPU code paths by this name
+
+    @property
+    def inner(self) -> dist.ProcessGroup:
+        """The current gloo group."""
+        if self._inner is None:
+            raise RuntimeError("The process group is being reconfigured after a lost rank; no collective can run.")
+        return self._inner
+
+    # ---------------------------------------------------------------------------------- collectives
+    def _call(self, name: str, local: Callable[[], Any], *args: Any) -> dist.Work:
+        if self.joining:
+            result = local()
+            future: Future = Future()
+            future.set_result(result)
+            return _create_work(future)
+        return getattr(self.inner, name)(*args)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        return self._call("allreduce", lambda: _local_reduce(tensors, opts.reduceOp, self.size()), tensors, opts)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        return self._call("allreduce_coalesced", lambda: _local_reduce(tensors, opts.reduceOp, self.size()),
+                          tensors, opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._call("reduce", lambda: _local_reduce(tensors, opts.reduceOp, self.size()), tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        return self._call("broadcast", lambda: tensors, tensors, opts)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.BarrierOptions()
+        return self._call("barrier", lambda: None, opts)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._call("allgather", lambda: _fill_all(outputs, inputs), outputs, inputs, opts)
+
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._call("allgather_coalesced", lambda: _fill_all(outputs, inputs), outputs, inputs, opts)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._call("_allgather_base", lambda: output.copy_(input.repeat(self.size())), output, input, opts)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._call("gather", lambda: _fill_all(outputs, inputs) if outputs else None, outputs, inputs, opts)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> dist.Work:
+        def local() -> None:
+            if inputs:
+                outputs[0].copy_(inputs[0][self.rank()])
+        return self._call("scatter", local, outputs, inputs, opts)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                      input_splits: list[int], opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        return self._call("alltoall_base", lambda: _refuse("all_to_all"), output, input, output_splits,
+                          input_splits, opts)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        return self._call("alltoall", lambda: _refuse("all_to_all"), outputs, inputs, opts)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> dist.Work:
+        return self._call("reduce_scatter", lambda: _refuse("reduce_scatter"), outputs, inputs, opts)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        return self._call("send", lambda: _refuse("send"), tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        return self._call("recv", lambda: _refuse("recv"), tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
+        return self._call("recv_anysource", lambda: _refuse("recv"), tensors, tag)
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _local_reduce(tensors: list[torch.Tensor], op: dist.ReduceOp, world_size: int) -> list[torch.Tensor]:
+    """A reduction over ``world_size`` ranks that all hold these values."""
+    if op == dist.ReduceOp.SUM:
+        for t in tensors:
+            t.mul_(world_size)
+    return tensors
+
+
+def _fill_all(outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    for slots, value in zip(outputs, inputs):
+        for slot in slots:
+            slot.copy_(value)
+    return outputs
+
+
+def _refuse(what: str) -> None:
+    raise RuntimeError(
+        f"{what} while this rank is joining the job: only set-up collectives (barriers, broadcasts, gathers) can "
+        "run before the join protocol; data exchanges must wait for it."
+    )
+
+
+def register() -> None:
+    """Registers :data:`BACKEND` with ``torch.distributed`` (idempotent)."""
+    if BACKEND.upper() in dist.Backend._plugins:
+        return
+
+    def create(options: Any, _backend_options: Any) -> ReconfigurableGroup:
+        from lightning_dlrover.fault import membership
+
+        joining = membership.is_joining()
+        generation = int(os.environ.get(membership.GENERATION_ENV, "0")) if joining else 0
+        group = ReconfigurableGroup(options.store, options.group_rank, options.group_size, options.timeout,
+                                    joining=joining, generation=generation)
+        group._name = options.group_id
+        group._set_group_name(options.group_id)  # DeviceMesh (used by TorchRec) looks groups up by name
+        return group
+
+    dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu"])

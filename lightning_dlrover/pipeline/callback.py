@@ -1,0 +1,132 @@
+"""``PipelineTuner``: tunes the TSV pipeline's workers per stage and prefetch depth online, while training.
+
+Each rank tunes its own pipeline within its share of the node's cores (the cores left after the training
+ranks, divided by the ranks on the node) and a hard memory budget; no collective is needed because the
+batches do not depend on the parallelism. Decisions apply between two steps (the pipeline is rebuilt at the
+current sample position). Every decision is a ``pipeline_decision`` event; at the end of fit a
+``pipeline_tuned`` event, a table (rank 0) and ``<default_root_dir>/pipeline/tuner_rank<r>.png`` and
+``trace_rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_dlrover.data.pipeline import PipelineConfig, PipelinedLoader
+from lightning_dlrover.monitor import emit
+from lightning_dlrover.pipeline.agent import Decision, RLTuner
+from lightning_dlrover.pipeline.baselines import FixedTuner, HillClimbTuner
+from lightning_dlrover.pipeline.harness import Trace, TunerDriver
+from lightning_dlrover.pipeline.observe import Budget
+from lightning_dlrover.pipeline.report import plot, summary
+
+
+def find_pipelined_loader(trainer: Trainer) -> PipelinedLoader:
+    """The training loader if it is a :class:`PipelinedLoader`; raises with how to get one otherwise."""
+    candidates = [getattr(trainer, "train_dataloader", None)]
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None and getattr(datamodule, "_train_loader", None) is not None:
+        candidates.append(datamodule._train_loader)
+    for loader in candidates:
+        for inner in (loader, getattr(loader, "iterables", None)):
+            if isinstance(inner, PipelinedLoader):
+                return inner
+    raise ValueError("PipelineTuner needs the training data to come from the TSV pipeline: set data.criteo_paths "
+                     "and data.pipeline (e.g. `pipeline: {parse: 1}`) in the DLRMDataModule, or pass a "
+                     "lightning_dlrover.data.pipeline.PipelinedLoader as the train dataloader.")
+
+
+class PipelineTuner(Callback):
+    """Online tuning of the data pipeline (see the module docstring and ``lightning_dlrover.pipeline.agent``).
+
+    Args:
+        tuner: ``rl`` (the Q-learning agent), ``hill_climb`` (tf.data-AUTOTUNE-like) or ``fixed`` (keep ``start``).
+        cpus: workers per rank's pipeline (default: cores left after the training ranks, split across them).
+        memory_mb: hard pipeline memory budget per rank in MiB (default: a quarter of the available RAM, split).
+        max_prefetch: deepest prefetch allowed (batches).
+        window_s: seconds per measurement window (at least ``min_batches`` batches).
+        min_batches: batches per measurement window, at least.
+        start: the first configuration, e.g. ``{read: 1, parse: 1, transform: 1, assemble: 1, prefetch: 2}``.
+        seed: seed of the agent's exploration.
+        report_dir: where the PNG and trace go (default ``<default_root_dir>/pipeline``).
+    """
+
+    def __init__(self, tuner: Literal["rl", "hill_climb", "fixed"] = "rl", cpus: int | None = None,
+                 memory_mb: int | None = None, max_prefetch: int = 8, window_s: float = 2.0, min_batches: int = 3,
+                 start: dict[str, int] | None = None, seed: int = 0, report_dir: str | None = None) -> None:
+        if tuner not in ("rl", "hill_climb", "fixed"):
+            raise ValueError(f"PipelineTuner(tuner={tuner!r}): use 'rl', 'hill_climb' or 'fixed'.")
+        if window_s <= 0 or min_batches < 1:
+            raise ValueError(f"PipelineTuner: window_s={window_s} must be > 0 and min_batches={min_batches} >= 1.")
+        self.tuner_name, self.cpus, self.memory_mb, self.max_prefetch = tuner, cpus, memory_mb, max_prefetch
+        self.window_s, self.min_batches, self.seed = window_s, min_batches, seed
+        self.start = PipelineConfig(**start) if start else None
+        self.report_dir = report_dir
+        self.driver: TunerDriver | None = None
+        self.trace: Trace | None = None
+
+    def _make_tuner(self, budget: Budget) -> Any:
+        if self.tuner_name == "rl":
+            return RLTuner(budget, start=self.start, seed=self.seed)
+        if self.tuner_name == "hill_climb":
+            return HillClimbTuner(budget)
+        return FixedTuner(self.start or PipelineConfig(), "fixed")
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        loader = find_pipelined_loader(trainer)
+        memory = self.memory_mb << 20 if self.memory_mb else None
+        self.budget = Budget.for_node(max(trainer.num_devices, 1), self.cpus, memory, self.max_prefetch)
+        self.tuner = self._make_tuner(self.budget)
+        self._trainer = trainer
+        self.driver = TunerDriver(loader, self.tuner, self.window_s, self.min_batches, on_decision=self._emit)
+        rank_zero_info(f"PipelineTuner ({self.tuner_name}): budget {self.budget.cpus} workers and "
+                       f"{self.budget.memory_bytes / 2**20:.0f} MiB per rank; starting at {loader.config.short()}")
+
+    def _emit(self, decision: Decision) -> None:
+        obs = decision.observed
+        emit("pipeline_decision", step=self._trainer.global_step, tuner=self.tuner_name, config=obs.config.short(),
+             samples_per_s=round(obs.samples_per_s, 1), wait_fraction=round(obs.wait_fraction, 3),
+             memory_bytes=obs.memory_bytes, budget_memory_bytes=self.budget.memory_bytes,
+             next_config=decision.config.short() if decision.config else None, reason=decision.reason,
+             predicted_memory_bytes=decision.predicted_memory)
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.driver is not None:
+            self.driver.after_batch()
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.driver is None:
+            return
+        self.trace = trace = self.driver.finish()
+        self.driver = None
+        first, final = trace.start_samples_per_s(), trace.final_samples_per_s()
+        emit("pipeline_tuned", step=trainer.global_step, tuner=self.tuner_name,
+             start_config=trace.points[0].config.short() if trace.points else None,
+             config=trace.final.short() if trace.final else None, start_samples_per_s=round(first, 1),
+             samples_per_s=round(final, 1), gain=round(final / first, 3) if first else None,
+             windows=len(trace.points), resets=trace.resets, peak_memory_bytes=trace.peak_memory,
+             budget_memory_bytes=self.budget.memory_bytes, budget_cpus=self.budget.cpus)
+        out = Path(self.report_dir or Path(trainer.default_root_dir) / "pipeline")
+        rank = trainer.global_rank
+        out.mkdir(parents=True, exist_ok=True)
+        plot(out / f"tuner_rank{rank}.png", [trace], self.budget.memory_bytes,
+             f"PipelineTuner ({self.tuner_name}), rank {rank}")
+        (out / f"trace_rank{rank}.json").write_text(json.dumps(
+            {"tuner": trace.tuner, "samples": trace.samples, "seconds": trace.seconds, "peak_memory": trace.peak_memory,
+             "resets": trace.resets, "final": dataclasses.asdict(trace.final) if trace.final else None,
+             "points": [{**dataclasses.asdict(p), "config": p.config.short(),
+                         "next_config": p.next_config.short() if p.next_config else None} for p in trace.points]},
+            indent=1))
+        if trainer.is_global_zero:
+            print(summary(trace, self.budget.cpus, self.budget.memory_bytes), flush=True)

@@ -1,0 +1,79 @@
+"""Wires in-process recovery (:mod:`lightning_dlrover.fault.inprocess`) into a Lightning fit.
+
+Under ``lightning-dlrover launch`` the world group is reconfigurable; a survivor whose step fails on a lost
+peer is restored to the last committed step and its fit loop runs again, and a replacement joins at the
+start of its fit loop. Everything else in the strategy is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+from torchrec.distributed import collective_utils
+from torchrec.distributed.types import ShardingPlan
+
+from lightning_dlrover.fault import membership
+from lightning_dlrover.fault.inprocess import InProcessRecovery, launch_index, world_group
+from lightning_dlrover.fault.manager import FaultManager, Host
+from lightning_dlrover.fault.process_group import BACKEND, register
+from lightning_dlrover.fault.recovery import RecoveryReport
+from lightning_dlrover.strategy import lightning_glue as glue
+
+
+def process_group_backend(requested: str | None) -> str | None:
+    """The backend for ``init_process_group``: the reconfigurable one under ``lightning-dlrover launch``."""
+    if not membership.enabled() or requested not in (None, "gloo", BACKEND):
+        return requested
+    register()
+    return BACKEND
+
+
+def joining() -> bool:
+    """Whether this process is a replacement whose set-up runs before it joins the survivors."""
+    group = world_group()
+    return group is not None and group.joining
+
+
+def install(trainer: pl.Trainer, host: Host, manager: FaultManager, recovery: InProcessRecovery) -> None:
+    """Makes ``trainer``'s fit loop recover lost peers in process (and, on a replacement, join first)."""
+
+    def resume(report: RecoveryReport) -> None:
+        for optimizer in trainer.optimizers:  # a failed step may have left gradients behind
+            optimizer.zero_grad(set_to_none=True)
+        assert report.meta is not None
+        glue.load_trainer_state(trainer, report.meta)
+
+    def recover(error: BaseException) -> bool:
+        report = recovery.recover(host, error)
+        if report is None:
+            return False
+        glue.reset_inner_ddp(trainer.strategy.model)
+        resume(report)
+        return True
+
+    join = None
+    if recovery.joining:
+        trainer.num_sanity_val_steps = 0  # the survivors are past it
+
+        def join() -> None:
+            resume(recovery.join(host))
+
+    glue.rerun_fit_loop(trainer, recover, before_first_run=join)
+
+
+def shared_plan(compute: Callable[[], ShardingPlan], global_rank: int) -> ShardingPlan:
+    """The sharding plan: computed by the planner's collective, and kept in the launcher's store for replacements,
+    which read it instead (the survivors are not running the planner)."""
+    if not membership.enabled():
+        return compute()
+    store, launch = membership.connect(), launch_index()
+    if membership.is_joining():
+        # DistributedModelParallel's constructor broadcasts TorchRec's collective-validation flag from rank 0
+        # once per process; the survivors are not listening, so the replacement keeps the default (off).
+        collective_utils._INITIALIZED = True
+        return membership.read_sharding_plan(store, launch)  # type: ignore[return-value]
+    plan = compute()
+    if global_rank == 0:
+        membership.publish_sharding_plan(store, launch, plan)
+    return plan

@@ -1,0 +1,83 @@
+"""In-process recovery under ``lightning-dlrover launch``: a rank is SIGKILLed, the survivors stay in ``fit`` (same
+processes), a hot spare (or a process started cold) takes the lost rank, and the job ends with the digest of the
+same job run without a fault. A user's own model (tests/scripts/user_model.py: Dropout, BatchNorm, exact Adagrad
+tables, Adam and SGD with momentum, an LR schedule, a StatefulDataLoader) on 2 ranks with k=1, r=1.
+"""
+
+import json
+import re
+import socket
+
+import pytest
+
+from lightning_dlrover.monitor.events import read_events
+from tests.conftest import REPO, run
+
+pytestmark = pytest.mark.slow
+SCRIPT = str(REPO / "tests" / "scripts" / "user_model.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path, name: str, *launch_args: str, fault: str | None = None, steps: int = 12, script_args=()):
+    """Runs the user model under the launcher; returns (digest, events, output)."""
+    workdir = tmp_path / name
+    workdir.mkdir()
+    events = workdir / "events.jsonl"
+    env = {"LIGHTNING_DLROVER_EVENTS": str(events), "LIGHTNING_DLROVER_PLAN_TIMEOUT": "20"}
+    if fault:
+        env["LIGHTNING_DLROVER_FAULT"] = fault
+    proc = run(["-m", "lightning_dlrover", "launch", "--nproc-per-node", "2", "--master", f"127.0.0.1:{free_port()}",
+                *launch_args, "--", SCRIPT, "--steps", str(steps), "--root", str(workdir), *script_args], workdir, timeout=400, env=env)
+    digest = re.findall(r"state digest: ([0-9a-f]{64})", proc.stdout)
+    assert digest, proc.stdout[-4000:]
+    return digest[-1], read_events([events]), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    digest, _, _ = launch(tmp_path_factory.mktemp("reference"), "run", "--spares", "0")
+    return digest
+
+
+def assert_recovered_in_process(events, digest, reference, step):
+    kinds = [e.kind for e in events]
+    assert "restarting_all" not in kinds and "stopped" not in kinds, kinds
+    recovered = [e for e in events if e.kind == "recovered_in_process"]
+    assert {e.fields["survivor"] for e in recovered} == {True, False}
+    assert all(e.step == step for e in recovered)
+    survivor = next(e for e in recovered if e.fields["survivor"])
+    final = next(e for e in events if e.kind == "digest" and e.fields["final"])
+    if final.rank == survivor.rank:
+        assert final.pid == survivor.pid  # the survivor trained on in the same process
+    started = {(e.rank, e.pid) for e in events if e.kind == "fault_injected"}
+    assert started and all(pid != survivor.pid for _, pid in started)
+    assert digest == reference
+
+
+def test_hot_spare_takes_the_lost_rank_before_forward(tmp_path, reference):
+    digest, events, _ = launch(tmp_path, "hot", "--spares", "1", fault="rank=1,step=5,phase=before_forward")
+    assert_recovered_in_process(events, digest, reference, step=5)
+    planned = next(e for e in events if e.kind == "replacement_planned")
+    assert planned.fields["lost_ranks"] == [1] and planned.fields["cold"] == []
+
+
+def test_cold_replacement_during_the_parity_commit(tmp_path, reference):
+    digest, events, _ = launch(tmp_path, "cold", "--spares", "0", fault="rank=0,step=6,phase=during_parity_commit")
+    assert_recovered_in_process(events, digest, reference, step=6)  # the step in flight is rolled back
+    planned = next(e for e in events if e.kind == "replacement_planned")
+    assert planned.fields["cold"] == [0]
+
+
+def test_losing_every_rank_falls_back_to_a_full_restart(tmp_path, reference):
+    digest, events, out = launch(tmp_path, "all", "--spares", "1", fault="step=5,phase=after_optimizer,target=all",
+                                 script_args=("--ckpt-every", "3"))
+    kinds = [e.kind for e in events]
+    assert "restarting_all" in kinds and "recovered_in_process" not in kinds, json.dumps(kinds)
+    fallback = next(e for e in events if e.kind == "fallback")
+    assert fallback.step == 3 and fallback.fields["steps_lost"] == 2  # the checkpoint of step 3; steps 3-4 again
+    assert digest == reference  # the replay is exact
