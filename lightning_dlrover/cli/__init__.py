@@ -1,4 +1,4 @@
-"""``lightning-dlrover``: ``fit`` (and the other LightningCLI subcommands) for the DLRM, ``chaos``, a node-loss drill, and ``advise``, resource advice."""
+"""``lightning-dlrover``: ``fit`` (and the other LightningCLI subcommands) for the DLRM, ``chaos``, a node-loss drill, ``advise``, resource advice, and ``simulate``, the multi-job simulator."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ def main(args: list[str] | None = None) -> None:
         from lightning_dlrover.cli.advise import main as advise
 
         sys.exit(advise(args[1:]))
+    if args[:1] == ["simulate"]:
+        from lightning_dlrover.cli.simulate import main as simulate
+
+        sys.exit(simulate(args[1:]))
     from lightning_dlrover.cli.fit import fit
 
     fit(args)
