@@ -42,6 +42,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     "straggler": ("straggler_rank", "cause", "ratio", "excess_ms", "since_step"),
     "oom_forecast": ("node", "rss_bytes", "limit_bytes", "growth_bytes_per_step", "steps_to_oom", "seconds_to_oom"),
     "hot_rank": ("hot_rank", "share", "ratio", "tables"),
+    # ElasticBatchScaler (step: the global step the change takes effect after)
+    "batch_rescaled": ("reason", "policy", "rule", "old_world_size", "world_size", "old_global_batch", "global_batch",
+                       "per_rank_batch", "lr_factor", "noise_scale", "predicted_gain"),
 }
 
 
