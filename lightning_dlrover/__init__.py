@@ -3,6 +3,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dlrover.advisor import ResourceAdvisor
+from lightning_dlrover.elastic.scaler import ElasticBatchScaler
 from lightning_dlrover.fault import FaultInjector, ParityConfig, elastic_trainer_args
 from lightning_dlrover.monitor import StateDigest, ThroughputMonitor
 from lightning_dlrover.pipeline import PipelineTuner
@@ -12,6 +13,7 @@ DLRoverStrategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
 __all__ = [
+    "ElasticBatchScaler",
     "DLRoverStrategy",
     "FaultInjector",
     "ParityConfig",

@@ -1,6 +1,6 @@
 """``lightning-dlrover``: ``fit`` (and the other LightningCLI subcommands) for the DLRM, ``chaos``, a node-loss drill,
-``launch``, a launcher that recovers lost ranks in process, ``advise``, resource advice, and ``gen-criteo``,
-Criteo-format TSV test data."""
+``launch``, a launcher that recovers lost ranks in process, ``advise``, resource advice, ``gen-criteo``,
+Criteo-format TSV test data, and ``simulate``, the multi-job simulator."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ def main(args: list[str] | None = None) -> None:
         from lightning_dlrover.cli.advise import main as advise
 
         sys.exit(advise(args[1:]))
+    if args[:1] == ["simulate"]:
+        from lightning_dlrover.cli.simulate import main as simulate
+
+        sys.exit(simulate(args[1:]))
     from lightning_dlrover.cli.fit import fit
 
     fit(args)

@@ -1,0 +1,236 @@
+"""The per-job curves the simulator uses, measured from our DLRM on this machine, and the script that measures them.
+
+``python -m lightning_dlrover.elastic.profile --out lightning_dlrover/elastic/dlrm_profile.json`` measures:
+
+* ``step_s[b]``: median seconds of one training step (forward, backward, in-backward RowWiseAdagrad on the
+  tables, Adagrad on the MLPs) of the DLRM at per-rank batch ``b``, one thread;
+* ``allreduce_s``: median seconds of a gloo all-reduce of the dense gradients between two processes;
+* ``samples_to_target[B]``: training samples until the validation loss (8192 held-out samples, checked every
+  ``eval_every`` samples) first reaches the target, at global batch ``B`` with the learning rates scaled by the
+  square-root rule from ``base_batch``. The target is 90% of the loss drop the smallest batch achieves in
+  ``budget`` samples. Several seeds; the median is kept.
+
+:class:`Profile` turns these into the simulator's throughput and convergence curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_PROFILE = "dlrm_profile.json"
+SIZES = [300 + 37 * i for i in range(26)]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured curves of one job kind (see the module docs)."""
+
+    step_s: dict[int, float]
+    allreduce_s: float
+    samples_to_target: dict[int, float]
+    base_batch: int
+    meta: dict[str, Any]
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> Profile:
+        """The profile at ``path``, or the one shipped with the package."""
+        text = Path(path).read_text() if path else resources.files("lightning_dlrover.elastic").joinpath(
+            DEFAULT_PROFILE).read_text()
+        raw = json.loads(text)
+        return cls({int(k): v for k, v in raw["step_s"].items()}, raw["allreduce_s"],
+                   {int(k): v for k, v in raw["samples_to_target"].items() if v is not None},
+                   raw["base_batch"], raw.get("meta", {}))
+
+    def step_time(self, per_rank_batch: float, ranks: int) -> float:
+        """Seconds per step: measured compute at the per-rank batch (linear between measurements) plus a ring
+        all-reduce, ``allreduce_s * 2 (n - 1) / n`` scaled from the 2-rank measurement (``n = ranks``)."""
+        xs = sorted(self.step_s)
+        compute = float(np.interp(per_rank_batch, xs, [self.step_s[x] for x in xs]))
+        if per_rank_batch > xs[-1]:  # extrapolate linearly beyond the largest measured batch
+            compute = self.step_s[xs[-1]] * per_rank_batch / xs[-1]
+        return compute + (self.allreduce_s * (ranks - 1) / ranks * 2 if ranks > 1 else 0.0)
+
+    def throughput(self, ranks: int, global_batch: int) -> float:
+        """Samples per second at ``ranks`` ranks and ``global_batch``."""
+        return global_batch / self.step_time(global_batch / ranks, ranks)
+
+    def samples_needed(self, global_batch: int) -> float:
+        """Samples to the target loss at ``global_batch`` (log-log interpolation between measured batches)."""
+        xs = sorted(self.samples_to_target)
+        ys = [math.log(self.samples_to_target[x]) for x in xs]
+        return float(math.exp(np.interp(math.log(global_batch), [math.log(x) for x in xs], ys)))
+
+    def efficiency(self, global_batch: int) -> float:
+        """Statistical efficiency relative to ``base_batch``: samples needed there over samples needed here."""
+        return self.samples_needed(self.base_batch) / self.samples_needed(global_batch)
+
+
+def _model_and_optimizer(lr_scale: float, seed: int) -> tuple[Any, Any]:
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.models.dlrm import DLRM
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from lightning_dlrover.data.sources import NUM_DENSE, SPARSE_NAMES
+
+    torch.manual_seed(seed)
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=16, num_embeddings=n, feature_names=[f])
+              for f, n in zip(SPARSE_NAMES, SIZES)]
+    model = DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=tables), dense_in_features=NUM_DENSE,
+                 dense_arch_layer_sizes=[64, 16], over_arch_layer_sizes=[64, 32, 1])
+    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": 0.05 * lr_scale})
+    dense = [p for n, p in model.named_parameters() if not n.startswith("sparse_arch")]
+    return model, torch.optim.Adagrad(dense, lr=0.05 * lr_scale)
+
+
+def _batches(batch: int, count: int, seed: int) -> Any:
+    from lightning_dlrover.data.sources import SyntheticCriteo, make_batch
+
+    source = SyntheticCriteo(SIZES, batch, count, seed=seed)
+    for index in range(count):
+        yield make_batch(*source.global_batch(index))
+
+
+def _step(model: Any, optimizer: Any, batch: Any) -> float:
+    import torch
+
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(
+        model(batch.dense_features, batch.sparse_features).squeeze(-1), batch.labels)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return float(loss)
+
+
+def measure_step_times(batches: list[int], steps: int = 12) -> dict[int, float]:
+    out = {}
+    for b in batches:
+        model, optimizer = _model_and_optimizer(1.0, 0)
+        times = []
+        for i, batch in enumerate(_batches(b, steps + 3, seed=3)):
+            start = time.perf_counter()
+            _step(model, optimizer, batch)
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+        out[b] = statistics.median(times)
+    return out
+
+
+def _allreduce_worker(rank: int, path: str, numel: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    tensor, times = torch.randn(numel), []
+    for i in range(33):
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    if rank == 0:
+        out.put(statistics.median(times))
+    dist.destroy_process_group()
+
+
+def measure_allreduce() -> float:
+    import torch.multiprocessing as mp
+
+    model, _ = _model_and_optimizer(1.0, 0)
+    numel = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch"))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_allreduce_worker, args=(r, os.path.join(tmp, "store"), numel, out))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        seconds = out.get(timeout=300)
+        for p in procs:
+            p.join()
+    return seconds
+
+
+def _val_loss(model: Any, val: list[Any]) -> float:
+    import torch
+
+    with torch.no_grad():
+        losses = [torch.nn.functional.binary_cross_entropy_with_logits(
+            model(b.dense_features, b.sparse_features).squeeze(-1), b.labels, reduction="sum") for b in val]
+    return float(sum(losses)) / sum(b.labels.numel() for b in val)
+
+
+def loss_curve(batch: int, base_batch: int, samples: int, eval_every: int, seed: int) -> list[tuple[int, float]]:
+    """``(samples seen, validation loss)`` at batch ``batch`` with the square-root LR rule from ``base_batch``."""
+    model, optimizer = _model_and_optimizer(math.sqrt(batch / base_batch), seed)
+    val = list(_batches(1024, 8, seed=10_000 + seed))
+    curve, seen, next_eval = [(0, _val_loss(model, val))], 0, eval_every
+    for b in _batches(batch, -(-samples // batch), seed=seed):
+        _step(model, optimizer, b)
+        seen += batch
+        if seen >= next_eval:
+            curve.append((seen, _val_loss(model, val)))
+            next_eval += eval_every
+    return curve
+
+
+def measure_convergence(batches: list[int], base_batch: int, budget: int, eval_every: int,
+                        seeds: list[int]) -> tuple[dict[int, float | None], dict[str, Any]]:
+    curves = {(b, s): loss_curve(b, base_batch, budget * (1 if b == batches[0] else 3), eval_every, s)
+              for s in seeds for b in batches}
+    result, targets = {}, {}
+    for s in seeds:
+        first = curves[(batches[0], s)]
+        start, best = first[0][1], min(loss for _, loss in first)
+        targets[s] = best + 0.1 * (start - best)
+    for b in batches:
+        reached = []
+        for s in seeds:
+            hit = next((seen for seen, loss in curves[(b, s)] if seen > 0 and loss <= targets[s]), None)
+            reached.append(hit)
+        ok = [r for r in reached if r is not None]
+        result[b] = float(statistics.median(ok)) if len(ok) == len(reached) else None
+    meta = {"targets": targets, "curves": {f"{b}/{s}": c for (b, s), c in curves.items()}}
+    return result, meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(description="Measure the DLRM profile the simulator uses.")
+    parser.add_argument("--out", default=str(Path(__file__).with_name(DEFAULT_PROFILE)))
+    parser.add_argument("--step-batches", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    parser.add_argument("--base-batch", type=int, default=128)
+    parser.add_argument("--budget", type=int, default=49152, help="samples the smallest batch trains for")
+    parser.add_argument("--eval-every", type=int, default=2048)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    started = time.time()
+    step_s = measure_step_times(args.step_batches)
+    allreduce_s = measure_allreduce()
+    samples, meta = measure_convergence(sorted(args.batches), args.base_batch, args.budget, args.eval_every, args.seeds)
+    meta.update(seconds=time.time() - started, command="python -m lightning_dlrover.elastic.profile",
+                lr_rule="sqrt", target="90% of the loss drop of the smallest batch in budget samples",
+                torch=torch.__version__, threads=1)
+    Path(args.out).write_text(json.dumps({"step_s": step_s, "allreduce_s": allreduce_s, "samples_to_target": samples,
+                                          "base_batch": args.base_batch, "meta": meta}, indent=1))
+    print(json.dumps({"step_s": step_s, "allreduce_s": allreduce_s, "samples_to_target": samples}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,212 @@
+"""``ElasticBatchScaler``: global batch, per-rank batch and learning rates that follow the world size.
+
+The callback remembers, in its own checkpointed state, the world size, global batch and learning rates the job
+last trained with. At the start of every fit it compares them with the trainer's world size: a resumed job that
+shrank, grew or replaced a rank (from a checkpoint or through the fault manager's node-loss restore, whose
+trainer state carries the callback's) gets a new batch from its policy and rescaled learning rates. With the
+``goodput`` policy it also measures the gradient noise scale and step times while training, and every
+``check_every_n_steps`` steps switches to the batch of highest predicted goodput when the gain is above
+``min_gain``. :meth:`request` (e.g. from the resource advisor) makes it decide again at the next check.
+
+A change takes effect at the next batch the loader produces: the loader counts its position in samples, so no
+sample is lost or repeated (see :class:`~lightning_dlrover.data.ResumableLoader`). Each change is recorded
+as a ``batch_rescaled`` event (:mod:`lightning_dlrover.monitor.events`).
+
+YAML::
+
+    trainer:
+      callbacks:
+        - class_path: lightning_dlrover.ElasticBatchScaler
+          init_args: {min_batch: 256, max_batch: 2048, policy: keep_per_rank, lr_rule: sqrt}
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_dlrover.elastic.batch import LR_RULES, POLICIES, BatchRange, LRRule, Policy, decide, learning_rates
+from lightning_dlrover.elastic.goodput import GoodputModel, GradientNoiseProbe, NoiseScaleEstimator
+from lightning_dlrover.monitor.events import emit
+
+
+def _optimizers(trainer: pl.Trainer) -> list[Any]:
+    out = list(trainer.optimizers)
+    fused = getattr(trainer.strategy, "fused_optimizer", None)
+    try:
+        out.append(fused) if fused is not None else None
+    except RuntimeError:  # not sharded yet
+        pass
+    return out
+
+
+def _set_learning_rates(optimizers: list[Any], rates: list[float]) -> None:
+    from lightning_dlrover.elastic.batch import _leaf_optimizers
+
+    leaves = [leaf for o in optimizers for leaf in _leaf_optimizers(o)]
+    groups = [(leaf, g) for leaf in leaves for g in leaf.param_groups]
+    if len(groups) != len(rates):
+        raise ValueError(f"saved {len(rates)} learning rates but the optimizers have {len(groups)} param groups.")
+    for (leaf, group), lr in zip(groups, rates):
+        group["lr"] = lr
+    for leaf in leaves:
+        kernel = getattr(leaf, "_emb_module", None)
+        if kernel is not None and hasattr(kernel, "set_learning_rate"):
+            kernel.set_learning_rate(leaf.param_groups[0]["lr"])
+
+
+def _train_loader(trainer: pl.Trainer) -> Any:
+    datamodule = trainer.datamodule
+    loader = datamodule.train_dataloader() if datamodule is not None else trainer.train_dataloader
+    if not hasattr(loader, "global_batch_size"):
+        raise TypeError(f"ElasticBatchScaler needs a loader with a settable global_batch_size (e.g. "
+                        f"lightning_dlrover.data.ResumableLoader), got {type(loader).__name__}.")
+    return loader
+
+
+class ElasticBatchScaler(Callback):
+    """Adapts the global batch and learning rates to the world size (see the module docs).
+
+    Args:
+        min_batch: smallest global batch the job trains well with.
+        max_batch: largest global batch.
+        per_rank_max: most samples one rank may hold (memory limit), or None.
+        policy: ``keep_global``, ``keep_per_rank`` or ``goodput``.
+        lr_rule: ``linear``, ``sqrt``, ``adascale`` or ``none`` (see :mod:`lightning_dlrover.elastic.batch`).
+        check_every_n_steps: how often the goodput policy reconsiders the batch.
+        min_gain: predicted goodput gain a goodput switch needs.
+    """
+
+    def __init__(self, min_batch: int, max_batch: int, per_rank_max: int | None = None, policy: Policy = "keep_global",
+                 lr_rule: LRRule = "sqrt", check_every_n_steps: int = 50, min_gain: float = 0.05) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"ElasticBatchScaler(policy={policy!r}): choose one of {list(POLICIES)}.")
+        if lr_rule not in LR_RULES:
+            raise ValueError(f"ElasticBatchScaler(lr_rule={lr_rule!r}): choose one of {list(LR_RULES)}.")
+        self.range = BatchRange(min_batch, max_batch, per_rank_max)
+        self.policy, self.lr_rule = policy, lr_rule
+        self.check_every_n_steps, self.min_gain = check_every_n_steps, min_gain
+        self.probe = GradientNoiseProbe(NoiseScaleEstimator())
+        self.goodput: GoodputModel | None = None
+        self._saved: dict[str, Any] | None = None
+        self._world_size = 0
+        self._global_batch = 0
+        self._requested = False
+        self._lrs: list[float] = []
+        self._step_start: float | None = None
+        self.history: list[dict[str, Any]] = []
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        est = self.probe.estimator
+        return {"world_size": self._world_size, "global_batch": self._global_batch, "lrs": self._lrs,
+                "noise": [est.grad_sqr, est.grad_var, est.measurements],
+                "base_batch": self.goodput.base_batch if self.goodput else None}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved = dict(state_dict)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loader = _train_loader(trainer)
+        world = trainer.world_size
+        optimizers = _optimizers(trainer)
+        saved, self._saved = self._saved, None
+        if saved and saved.get("world_size"):
+            _set_learning_rates(optimizers, saved["lrs"])  # fused rates are not in the optimizer checkpoint
+            est = self.probe.estimator
+            est.grad_sqr, est.grad_var, est.measurements = saved["noise"]
+            self._global_batch, self._world_size = saved["global_batch"], saved["world_size"]
+            base = saved.get("base_batch") or saved["global_batch"]
+        else:
+            self._global_batch, self._world_size = int(loader.global_batch_size), world
+            base = self._global_batch
+        self._lrs = learning_rates(optimizers)
+        self.goodput = GoodputModel(base, min_gain=self.min_gain)
+        if self.policy == "goodput" and world > 1 and (ddp := _inner_ddp(trainer)) is not None and not self.probe.attached:
+            self.probe.attach(ddp)
+        if world != self._world_size or self._global_batch not in self.range.feasible(world):
+            self._apply(trainer, "world_size_changed" if world != self._world_size else "out_of_range")
+        elif int(loader.global_batch_size) != self._global_batch:
+            loader.global_batch_size = self._global_batch
+
+    def request(self) -> None:
+        """Makes the scaler decide the batch again at the next check (e.g. on the resource advisor's advice)."""
+        self._requested = True
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.policy != "goodput" or self.goodput is None:
+            return
+        per_rank = self._global_batch // trainer.world_size
+        if self._step_start is not None and batch_idx > 0:
+            self.goodput.step_times.observe(per_rank, time.perf_counter() - self._step_start)
+        if self.probe.attached:
+            self.goodput.noise_scale = self.probe.end_step(per_rank)
+        step = trainer.global_step
+        if self._requested or (self.check_every_n_steps and step % self.check_every_n_steps == 0 and step > 0):
+            self._requested = False
+            self._apply(trainer, "goodput")
+
+    def _apply(self, trainer: pl.Trainer, reason: str) -> None:
+        world, old_world, old_batch = trainer.world_size, self._world_size, self._global_batch
+        model = self.goodput
+        noise = model.noise_scale if model else None
+        decision = decide(self.policy, self.lr_rule, self.range, old_world, world, old_batch,
+                          goodput=model.goodput if model and model.step_times.observations else
+                          (lambda w, b: -abs(b - old_batch)), noise_scale=noise if noise is not None else 0.0)
+        gain = None
+        if reason == "goodput":
+            switch = False
+            if model is not None and model.step_times.observations:
+                gain = model.goodput(world, decision.global_batch) / model.goodput(world, old_batch) - 1.0
+                switch = model.worth_switching(world, old_batch, decision.global_batch)
+            decision, gain, switch = self._agreed((decision, gain, switch))
+            if not switch:
+                return
+        if decision.global_batch == old_batch and world == old_world:
+            return
+        optimizers = _optimizers(trainer)
+        from lightning_dlrover.elastic.batch import scale_learning_rates
+
+        scale_learning_rates(optimizers, decision.lr_factor)
+        self._lrs = learning_rates(optimizers)
+        _train_loader(trainer).global_batch_size = decision.global_batch
+        self._global_batch, self._world_size = decision.global_batch, world
+        record = {"reason": reason, "policy": self.policy, "rule": self.lr_rule, "old_world_size": old_world,
+                  "world_size": world, "old_global_batch": old_batch, "global_batch": decision.global_batch,
+                  "per_rank_batch": decision.per_rank, "lr_factor": decision.lr_factor, "noise_scale": noise,
+                  "predicted_gain": gain}
+        self.history.append(record)
+        if trainer.is_global_zero:
+            emit("batch_rescaled", step=trainer.global_step, **record,
+                 message=f"global batch {old_batch} -> {decision.global_batch} on {world} ranks ({reason}); "
+                         f"learning rates x{decision.lr_factor:.3f} ({self.lr_rule})")
+
+    @staticmethod
+    def _agreed(decision: Any) -> Any:
+        """Rank 0's decision on every rank (step times, hence predictions, differ between ranks)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            box = [decision]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return decision
+
+
+def _inner_ddp(trainer: pl.Trainer) -> Any:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = trainer.strategy.model
+    wrapped = getattr(model, "_dmp_wrapped_module", model)
+    return wrapped if isinstance(wrapped, DistributedDataParallel) else None
