@@ -100,9 +100,9 @@ class Launcher:
             worker.process.wait()
         self.workers = []
 
-    def replace(self, lost: list[Worker]) -> None:
+    def replace(self, lost: list[Worker]) -> int:
         """Hands the ``lost`` ranks to this machine's spares (the oldest first; a new process where none is left),
-        publishes the recovery plan for the survivors and refills the pool of hot spares."""
+        publishes the recovery plan for the survivors and refills the pool of hot spares; returns its generation."""
         idle = [w for w in self.workers if w.rank is None and w.process.poll() is None]
         replacements: dict[int, int] = {}
         cold: list[int] = []
@@ -123,22 +123,24 @@ class Launcher:
              replacements={str(k): v for k, v in plan.replacements.items()}, cold=cold,
              message=f"generation {plan.generation}: ranks {plan.lost} replaced by spares {plan.replacements}"
              + (f" (started cold for ranks {cold})" if cold else ""))
+        return plan.generation
 
     def run(self) -> int:
         """Watches the workers until every rank finished; returns the job's exit code."""
         self.start()
-        recovering_since: float | None = None
+        recovering: int | None = None  # generation of the recovery in progress
         while True:
             time.sleep(self.args.monitor_interval)
             for spare in [w for w in self.workers if w.rank is None and w.process.poll() is not None]:
                 self.workers.remove(spare)  # a dead spare only shrinks the pool
+            if recovering is not None and membership.restored_ranks(self.store, self.restarts, recovering) >= self.world_size:
+                recovering = None
             failed = [w for w in self.workers if w.process.poll() not in (None, 0)]
             if failed:
-                recent = recovering_since is not None and time.time() - recovering_since < self.args.recovery_window
+                recent = recovering is not None
                 survivors = [w for w in self.workers if w.rank is not None and w.process.poll() is None]
                 if survivors and not recent and not self.args.no_in_process:
-                    self.replace(failed)
-                    recovering_since = time.time()
+                    recovering = self.replace(failed)
                     continue
                 if self.restarts >= self.args.max_restarts:
                     return 1
@@ -149,7 +151,7 @@ class Launcher:
                 self.stop()
                 self.restarts += 1
                 self.start()
-                recovering_since = None
+                recovering = None
                 continue
             ranks = [w for w in self.workers if w.rank is not None]
             if ranks and all(w.process.poll() == 0 for w in ranks):
@@ -178,8 +180,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--master", default="127.0.0.1:29500", help="host:port of the store (on machine 0)")
     p.add_argument("--run-id", default=None, help="job id (default: random)")
     p.add_argument("--max-restarts", type=int, default=3, help="full restarts when in-process recovery fails")
-    p.add_argument("--recovery-window", type=float, default=60.0,
-                   help="seconds after a replacement in which another failure means the in-process recovery failed")
     p.add_argument("--no-in-process", action="store_true", help="restart every worker on any failure, like torchrun")
     p.add_argument("--monitor-interval", type=float, default=0.05, help="seconds between checks of the workers")
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py [args] (or -m module [args])")

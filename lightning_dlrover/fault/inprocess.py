@@ -122,6 +122,9 @@ class InProcessRecovery:
     def _restore(self, host: Host, survivor: bool, lost: list[int]) -> RecoveryReport:
         report = self.manager.rejoin(host, survivor=survivor)
         self.times.restored_at = time.time()
+        group = world_group()
+        if self._store is not None and group is not None:
+            membership.report_restored(self._store, launch_index(), group.generation)
         t = self.times
         emit("recovered_in_process", step=report.step, survivor=survivor, lost_ranks=lost, decode_s=report.decode_s,
              reshard_s=report.reshard_s, lost_at=t.lost_at, failed_at=t.failed_at, connected_at=t.connected_at,

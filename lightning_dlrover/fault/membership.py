@@ -194,3 +194,13 @@ def worker(store: Store, launch: int, rank: int) -> tuple[str, int]:
     """``(host, pid)`` of the process holding ``rank`` in launch ``launch``."""
     host, _, pid = _get(store, f"{launch}/rank/{rank}").rpartition(":")
     return host, int(pid)
+
+
+def report_restored(store: Store, launch: int, generation: int) -> None:
+    """This rank finished the recovery that started ``generation``."""
+    store.add(PREFIX + f"{launch}/restored/{generation}", 1)
+
+
+def restored_ranks(store: Store, launch: int, generation: int) -> int:
+    """How many ranks finished the recovery that started ``generation``."""
+    return int(store.add(PREFIX + f"{launch}/restored/{generation}", 0))
