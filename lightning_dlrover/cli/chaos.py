@@ -219,12 +219,12 @@ def _kill_repeatedly(args: argparse.Namespace, cluster: Cluster, deadline: float
     configure(cluster.job.workdir / "events.jsonl")
     store = membership.connect(f"127.0.0.1:{cluster.port}")
     world = args.nodes * args.nproc_per_node
-    last = 0.0
+    last_step = -1
     for _ in range(args.kills):
-        while time.time() < deadline:
+        while time.time() < deadline:  # until the job trained past the step of the previous kill
             if any(a.poll() is not None for a in cluster.job.agents):
                 return  # the job ended (or failed): nothing left to kill
-            if any(e.kind == "digest" and not e["final"] and e.time > last for e in cluster.job.events()):
+            if any(e.kind == "digest" and not e["final"] and e.step > last_step for e in cluster.job.events()):
                 break
             time.sleep(0.1)
         time.sleep(rng.uniform(0.0, args.kill_jitter))
@@ -234,7 +234,7 @@ def _kill_repeatedly(args: argparse.Namespace, cluster: Cluster, deadline: float
         steps = [e.step for e in cluster.job.events() if e.kind == "digest" and not e["final"]]
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        last = time.time()
+        last_step = max(steps, default=-1) + 1
         emit("fault_injected", step=max(steps, default=None), phase="random", target="rank", signal="SIGKILL",
              committed_step=None, message=f"chaos: SIGKILLed rank {rank} (pid {pid})")
 
@@ -269,6 +269,8 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     kill = injected[0] if injected else None
     after = kill.time if kill else 0.0
     in_process = [e for e in events if e.kind == "recovered_in_process" and e.time >= after]
+    generations = sorted({e["lost_at"] for e in in_process if e["lost_at"] is not None})
+    in_process = [e for e in in_process if generations and e["lost_at"] == generations[0]]  # the first kill's
     recoveries = [e for e in events if e.kind in ("restored", "fallback") and e.time >= after]
     recoveries = recoveries or [e for e in in_process if e.rank == min(x.rank for x in in_process)]
     stopped = [e.time for e in events if e.kind == "stopped" and e.time >= after]
@@ -312,7 +314,6 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     if kill is not None and first is not None and kill.step is not None:
         lines.append(f"steps trained again: {kill.step - first.step} (the step in flight and any since the last commit)")
     if len(injected) > 1:
-        generations = {e["lost_at"] for e in in_process}
         restarts = sum(e.kind == "restarting_all" for e in events)
         lines.append(f"kills: {len(injected)}; recovered in process: {len(generations)}; full restarts: {restarts}")
     lines.append(f"job finished: {'yes' if finished else 'no'}")

@@ -76,7 +76,8 @@ class InProcessRecovery:
 
     def __init__(self, manager: FaultManager, assignment: membership.Assignment | None = None) -> None:
         self.manager = manager
-        self.times = JoinTimes(assigned_at=assignment.assigned_at if assignment is not None else None)
+        at = assignment.assigned_at if assignment is not None else None
+        self.times = JoinTimes(lost_at=at, assigned_at=at)  # the launcher assigns when it publishes the plan
         self._store = membership.connect() if membership.enabled() else None
 
     @property
