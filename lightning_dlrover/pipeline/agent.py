@@ -68,14 +68,16 @@ def apply_action(config: PipelineConfig, action: Action) -> PipelineConfig | Non
 
 
 def shrink(config: PipelineConfig, guard: MemoryGuard) -> PipelineConfig:
-    """``config`` made at least one step smaller (prefetch, then workers of the biggest stage, down to 0) until
-    the guard allows it; all-inline with prefetch 1 at the least."""
+    """``config`` made at least one step smaller until the guard allows it: prefetch first, then workers of the
+    in-process stages (read, assemble), then transform, parse last, so that the heavy stages stay out of the
+    training process as long as the budget allows; all-inline with prefetch 1 at the least."""
     smaller = config.replace(prefetch=max(1, config.prefetch - 1))
     while not guard.allows(smaller) or smaller == config:
-        busiest = max(STAGES, key=lambda s: smaller.workers[s])
-        if smaller.workers[busiest] == 0:
+        stage = next((s for group in (("read", "assemble"), ("transform",), ("parse",))
+                      for s in sorted(group, key=lambda g: -smaller.workers[g]) if smaller.workers[s] > 0), None)
+        if stage is None:
             return smaller
-        smaller = smaller.replace(**{busiest: smaller.workers[busiest] - 1})
+        smaller = smaller.replace(**{stage: smaller.workers[stage] - 1})
     return smaller
 
 

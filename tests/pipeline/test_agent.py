@@ -91,7 +91,10 @@ def test_actions_and_shrink():
     assert apply_action(c, ("move", "assemble", "parse")) is None
     assert apply_action(c, ("prefetch", -1)) == c.replace(prefetch=1)
     guard = MemoryGuard(Budget(cpus=2, memory_bytes=1 << 30))
-    assert shrink(PipelineConfig(1, 1, 1, 1, 2), guard).total_workers <= 2
+    # Over the CPU budget, the in-process stages go first: the parse stays in its own process.
+    assert shrink(PipelineConfig(1, 1, 1, 1, 2), guard) == PipelineConfig(0, 1, 1, 0, 1)
+    assert shrink(PipelineConfig(1, 1, 1, 1, 2), MemoryGuard(Budget(cpus=1, memory_bytes=1 << 30))) == \
+        PipelineConfig(0, 1, 0, 0, 1)
 
 
 def test_grid_search_measures_every_configuration_then_keeps_the_best():
