@@ -118,10 +118,11 @@ class InProcessRecovery:
         group.joining = False
         membership.joined()
         self.times.connected_at = time.time()
-        return self._restore(host, survivor=False, lost=[host.global_rank])
+        plan = membership.wait_for_plan(self._store, launch_index(), group.generation) if self._store else None
+        return self._restore(host, survivor=False, lost=plan.lost if plan is not None else [host.global_rank])
 
     def _restore(self, host: Host, survivor: bool, lost: list[int]) -> RecoveryReport:
-        report = self.manager.rejoin(host, survivor=survivor)
+        report = self.manager.rejoin(host, survivor=survivor, lost=lost)
         self.times.restored_at = time.time()
         group = world_group()
         if self._store is not None and group is not None:

@@ -363,34 +363,38 @@ class FaultManager:
         self._dense.restore()
         self._in_flight = None
 
-    def rejoin(self, host: Host, survivor: bool) -> RecoveryReport:
-        """Brings every rank back to the last committed step after lost ranks were replaced in place (collective
-        over the new communicator): survivors roll back in memory and contribute their committed state, the
-        replacements receive theirs decoded from parity, parity is encoded afresh. Returns the report, whose
-        ``meta`` is the trainer state to resume from. Raises :class:`Unrecoverable` on every rank alike."""
+    def rejoin(self, host: Host, survivor: bool, lost: list[int]) -> RecoveryReport:
+        """Brings every rank back to the last committed step after the ``lost`` ranks were replaced in place
+        (collective over the new communicator): every rank rolls back in memory, the replacements' embedding shards
+        and parity share are decoded in place from the survivors', and the trainer, dense and rank states come from
+        the lowest surviving rank. Returns the report, whose ``meta`` is the trainer state to resume from."""
         if self.parity is None:
             raise Unrecoverable("in-process recovery needs parity (DLRoverStrategy(parity=ParityConfig(...))).",
                                 self.committed_step)
-        if survivor:  # mirrors the replacement's state construction (layouts, chunk length), then rolls back
-            assert self.coded is not None
-            state = self.coded.state
-            state.share_layout()
-            spills = [self._committed_spill()]
+        if survivor:  # mirrors the replacement's state construction (layouts, chunk length)
+            assert self.coded is not None and self._dense is not None
+            self.coded.state.share_layout()
+            self._dense.restore()
         else:
-            state, spills = CodedState(host.model, self.parity.k), []
+            placement = ParityPlacement(host.world_size, self.parity.k, self.parity.r, host.num_processes)
+            self.coded = CodedEmbeddings(CodedState(host.model, self.parity.k), placement, encode=False)
         longest = torch.tensor([self._rank_state_len], dtype=torch.int64)
         dist.all_reduce(longest, op=dist.ReduceOp.MAX)
         self._rank_state_len = int(longest)
-        report = restore(state, spills)
-        if report is None or report.meta is None:
-            raise Unrecoverable("no survivor contributed a committed state to the replaced ranks.", self.committed_step)
+        source = min(set(range(host.world_size)) - set(lost))
+        committed: list[Any] = [None, None, None]
+        if host.global_rank == source:
+            dense = {k: v for k, v in host.lightning_module.state_dict().items() if not isinstance(v, ShardedTensor)}
+            committed = [self.committed_step, {**(self._meta or {}), "state_dict": dense}, self._rank_states]
+        dist.broadcast_object_list(committed, src=source)
+        step, meta, rank_states = committed
+        started = time.perf_counter()
+        self.coded.recover(sorted(lost))  # rolls back, decodes the lost ranks in place, re-encodes their parity
+        self.coded.committed_step = step
+        report = RecoveryReport(step, host.world_size, sorted(lost), time.perf_counter() - started, 0.0, meta,
+                                rank_states)
         self._load_dense_state(host, report)
-        if survivor:
-            assert self.coded is not None
-            self.coded.encode()
-        else:
-            self.coded = self._encode(host, state)
-        self.committed_step, self._meta, self._in_flight = report.step, dict(report.meta), None
+        self.committed_step, self._meta, self._in_flight = step, dict(report.meta), None
         assert self._dense is not None
         self._dense.take()
         self.recovered = self._announce_resume = True
