@@ -5,7 +5,8 @@
 * ``step_s[b]``: median seconds of one training step (forward, backward, in-backward RowWiseAdagrad on the
   tables, Adagrad on the MLPs) of the DLRM at per-rank batch ``b``, one thread;
 * ``allreduce_s``: median seconds of a gloo all-reduce of the dense gradients between two processes;
-* ``samples_to_target[B]``: training samples until the validation loss (8192 held-out samples, checked every
+* ``samples_to_target[B]``: training samples until the validation loss (8192 held-out samples of the same
+  synthetic distribution, checked every
   ``eval_every`` samples) first reaches the target, at global batch ``B`` with the learning rates scaled by the
   square-root rule from ``base_batch``. The target is 90% of the loss drop the smallest batch achieves in
   ``budget`` samples. Several seeds; the median is kept.
@@ -96,11 +97,12 @@ def _model_and_optimizer(lr_scale: float, seed: int) -> tuple[Any, Any]:
     return model, torch.optim.Adagrad(dense, lr=0.05 * lr_scale)
 
 
-def _batches(batch: int, count: int, seed: int) -> Any:
+def _batches(batch: int, count: int, seed: int, first: int = 0) -> Any:
+    """Batches ``first..first+count`` of the synthetic stream of ``seed`` (one labelling function per seed)."""
     from lightning_dlrover.data.sources import SyntheticCriteo, make_batch
 
-    source = SyntheticCriteo(SIZES, batch, count, seed=seed)
-    for index in range(count):
+    source = SyntheticCriteo(SIZES, batch, first + count, seed=seed)
+    for index in range(first, first + count):
         yield make_batch(*source.global_batch(index))
 
 
@@ -175,7 +177,7 @@ def _val_loss(model: Any, val: list[Any]) -> float:
 def loss_curve(batch: int, base_batch: int, samples: int, eval_every: int, seed: int) -> list[tuple[int, float]]:
     """``(samples seen, validation loss)`` at batch ``batch`` with the square-root LR rule from ``base_batch``."""
     model, optimizer = _model_and_optimizer(math.sqrt(batch / base_batch), seed)
-    val = list(_batches(1024, 8, seed=10_000 + seed))
+    val = list(_batches(1024, 8, seed=seed, first=1_000_000))  # held out: same labels, unseen samples
     curve, seen, next_eval = [(0, _val_loss(model, val))], 0, eval_every
     for b in _batches(batch, -(-samples // batch), seed=seed):
         _step(model, optimizer, b)
@@ -214,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-batches", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     parser.add_argument("--base-batch", type=int, default=128)
-    parser.add_argument("--budget", type=int, default=49152, help="samples the smallest batch trains for")
-    parser.add_argument("--eval-every", type=int, default=2048)
+    parser.add_argument("--budget", type=int, default=24576, help="samples the smallest batch trains for")
+    parser.add_argument("--eval-every", type=int, default=1024)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
