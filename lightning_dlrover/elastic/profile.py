@@ -43,6 +43,7 @@ class Profile:
     samples_to_target: dict[int, float]
     base_batch: int
     meta: dict[str, Any]
+    censored_at: float | None = None  # batches that did not reach the target within this many samples
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> Profile:
@@ -50,9 +51,10 @@ class Profile:
         text = Path(path).read_text() if path else resources.files("lightning_dlrover.elastic").joinpath(
             DEFAULT_PROFILE).read_text()
         raw = json.loads(text)
+        censored = raw.get("censored_at")
+        needed = {int(k): v if v is not None else censored for k, v in raw["samples_to_target"].items()}
         return cls({int(k): v for k, v in raw["step_s"].items()}, raw["allreduce_s"],
-                   {int(k): v for k, v in raw["samples_to_target"].items() if v is not None},
-                   raw["base_batch"], raw.get("meta", {}))
+                   {k: v for k, v in needed.items() if v is not None}, raw["base_batch"], raw.get("meta", {}), censored)
 
     def step_time(self, per_rank_batch: float, ranks: int) -> float:
         """Seconds per step: measured compute at the per-rank batch (linear between measurements) plus a ring
@@ -68,7 +70,9 @@ class Profile:
         return global_batch / self.step_time(global_batch / ranks, ranks)
 
     def samples_needed(self, global_batch: int) -> float:
-        """Samples to the target loss at ``global_batch`` (log-log interpolation between measured batches)."""
+        """Samples to the target loss at ``global_batch`` (log-log interpolation between measured batches). A batch
+        that never reached the target counts as ``censored_at`` samples: a lower bound, so larger batches look
+        cheaper here than they are."""
         xs = sorted(self.samples_to_target)
         ys = [math.log(self.samples_to_target[x]) for x in xs]
         return float(math.exp(np.interp(math.log(global_batch), [math.log(x) for x in xs], ys)))
@@ -229,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 lr_rule="sqrt", target="90% of the loss drop of the smallest batch in budget samples",
                 torch=torch.__version__, threads=1)
     Path(args.out).write_text(json.dumps({"step_s": step_s, "allreduce_s": allreduce_s, "samples_to_target": samples,
-                                          "base_batch": args.base_batch, "meta": meta}, indent=1))
+                                          "censored_at": 3 * args.budget, "base_batch": args.base_batch, "meta": meta},
+                                         indent=1))
     print(json.dumps({"step_s": step_s, "allreduce_s": allreduce_s, "samples_to_target": samples}, indent=1))
     return 0
 
