@@ -5,7 +5,8 @@
 * ``step_s[b]``: median seconds of one training step (forward, backward, in-backward RowWiseAdagrad on the
   tables, Adagrad on the MLPs) of the DLRM at per-rank batch ``b``, one thread;
 * ``allreduce_s``: median seconds of a gloo all-reduce of the dense gradients between two processes;
-* ``samples_to_target[B]``: training samples until the validation loss (8192 held-out samples, checked every
+* ``samples_to_target[B]``: training samples until the validation loss (8192 held-out samples of the same
+  synthetic distribution, checked every
   ``eval_every`` samples) first reaches the target, at global batch ``B`` with the learning rates scaled by the
   square-root rule from ``base_batch``. The target is 90% of the loss drop the smallest batch achieves in
   ``budget`` samples. Several seeds; the median is kept.
@@ -42,6 +43,7 @@ class Profile:
     samples_to_target: dict[int, float]
     base_batch: int
     meta: dict[str, Any]
+    censored_at: float | None = None  # batches that did not reach the target within this many samples
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> Profile:
@@ -49,9 +51,10 @@ class Profile:
         text = Path(path).read_text() if path else resources.files("lightning_dlrover.elastic").joinpath(
             DEFAULT_PROFILE).read_text()
         raw = json.loads(text)
+        censored = raw.get("censored_at")
+        needed = {int(k): v if v is not None else censored for k, v in raw["samples_to_target"].items()}
         return cls({int(k): v for k, v in raw["step_s"].items()}, raw["allreduce_s"],
-                   {int(k): v for k, v in raw["samples_to_target"].items() if v is not None},
-                   raw["base_batch"], raw.get("meta", {}))
+                   {k: v for k, v in needed.items() if v is not None}, raw["base_batch"], raw.get("meta", {}), censored)
 
     def step_time(self, per_rank_batch: float, ranks: int) -> float:
         """Seconds per step: measured compute at the per-rank batch (linear between measurements) plus a ring
@@ -67,7 +70,9 @@ class Profile:
         return global_batch / self.step_time(global_batch / ranks, ranks)
 
     def samples_needed(self, global_batch: int) -> float:
-        """Samples to the target loss at ``global_batch`` (log-log interpolation between measured batches)."""
+        """Samples to the target loss at ``global_batch`` (log-log interpolation between measured batches). A batch
+        that never reached the target counts as ``censored_at`` samples: a lower bound, so larger batches look
+        cheaper here than they are."""
         xs = sorted(self.samples_to_target)
         ys = [math.log(self.samples_to_target[x]) for x in xs]
         return float(math.exp(np.interp(math.log(global_batch), [math.log(x) for x in xs], ys)))
@@ -96,11 +101,12 @@ def _model_and_optimizer(lr_scale: float, seed: int) -> tuple[Any, Any]:
     return model, torch.optim.Adagrad(dense, lr=0.05 * lr_scale)
 
 
-def _batches(batch: int, count: int, seed: int) -> Any:
+def _batches(batch: int, count: int, seed: int, first: int = 0) -> Any:
+    """Batches ``first..first+count`` of the synthetic stream of ``seed`` (one labelling function per seed)."""
     from lightning_dlrover.data.sources import SyntheticCriteo, make_batch
 
-    source = SyntheticCriteo(SIZES, batch, count, seed=seed)
-    for index in range(count):
+    source = SyntheticCriteo(SIZES, batch, first + count, seed=seed)
+    for index in range(first, first + count):
         yield make_batch(*source.global_batch(index))
 
 
@@ -175,7 +181,7 @@ def _val_loss(model: Any, val: list[Any]) -> float:
 def loss_curve(batch: int, base_batch: int, samples: int, eval_every: int, seed: int) -> list[tuple[int, float]]:
     """``(samples seen, validation loss)`` at batch ``batch`` with the square-root LR rule from ``base_batch``."""
     model, optimizer = _model_and_optimizer(math.sqrt(batch / base_batch), seed)
-    val = list(_batches(1024, 8, seed=10_000 + seed))
+    val = list(_batches(1024, 8, seed=seed, first=1_000_000))  # held out: same labels, unseen samples
     curve, seen, next_eval = [(0, _val_loss(model, val))], 0, eval_every
     for b in _batches(batch, -(-samples // batch), seed=seed):
         _step(model, optimizer, b)
@@ -214,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-batches", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     parser.add_argument("--base-batch", type=int, default=128)
-    parser.add_argument("--budget", type=int, default=49152, help="samples the smallest batch trains for")
-    parser.add_argument("--eval-every", type=int, default=2048)
+    parser.add_argument("--budget", type=int, default=24576, help="samples the smallest batch trains for")
+    parser.add_argument("--eval-every", type=int, default=1024)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -227,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 lr_rule="sqrt", target="90% of the loss drop of the smallest batch in budget samples",
                 torch=torch.__version__, threads=1)
     Path(args.out).write_text(json.dumps({"step_s": step_s, "allreduce_s": allreduce_s, "samples_to_target": samples,
-                                          "base_batch": args.base_batch, "meta": meta}, indent=1))
+                                          "censored_at": 3 * args.budget, "base_batch": args.base_batch, "meta": meta},
+                                         indent=1))
     print(json.dumps({"step_s": step_s, "allreduce_s": allreduce_s, "samples_to_target": samples}, indent=1))
     return 0
 

@@ -128,13 +128,16 @@ class ElasticBatchScaler(Callback):
             self._global_batch, self._world_size = int(loader.global_batch_size), world
             base = self._global_batch
         self._lrs = learning_rates(optimizers)
-        self.goodput = GoodputModel(base, min_gain=self.min_gain)
+        self.goodput = GoodputModel(base, noise_scale=self.probe.estimator.noise_scale, min_gain=self.min_gain)
         if self.policy == "goodput" and world > 1 and (ddp := _inner_ddp(trainer)) is not None and not self.probe.attached:
             self.probe.attach(ddp)
         if world != self._world_size or self._global_batch not in self.range.feasible(world):
             self._apply(trainer, "world_size_changed" if world != self._world_size else "out_of_range")
         elif int(loader.global_batch_size) != self._global_batch:
             loader.global_batch_size = self._global_batch
+
+    # Until a noise scale is measured, ``adascale`` scales by 1 and ``goodput`` values batches by throughput only;
+    # step times are not checkpointed, so after a restart ``goodput`` first keeps the nearest batch to the old one.
 
     def request(self) -> None:
         """Makes the scaler decide the batch again at the next check (e.g. on the resource advisor's advice)."""

@@ -48,24 +48,24 @@ class TraceJob:
     max_ranks: int
 
 
-def synthetic_trace(jobs: int = 40, seed: int = 0, interarrival_s: float = 30.0) -> list[TraceJob]:
-    """Poisson arrivals, equal-sized jobs with the same batch range."""
+def synthetic_trace(jobs: int = 40, seed: int = 0, interarrival_s: float = 30.0, work: float = 100.0) -> list[TraceJob]:
+    """Poisson arrivals, equal-sized jobs (``work`` profiled runs each) with the same batch range."""
     rng = np.random.default_rng(seed)
     times = np.cumsum(rng.exponential(interarrival_s, jobs))
-    return [TraceJob(f"job{i:03d}", float(t), 1.0, (64, 1024), 128, 8) for i, t in enumerate(times)]
+    return [TraceJob(f"job{i:03d}", float(t), work, (64, 1024), 128, 8) for i, t in enumerate(times)]
 
 
-def bursty_trace(jobs: int = 40, seed: int = 0, interarrival_s: float = 30.0) -> list[TraceJob]:
+def bursty_trace(jobs: int = 40, seed: int = 0, interarrival_s: float = 30.0, work: float = 100.0) -> list[TraceJob]:
     """Bursts of arrivals (a burst every ``8 x interarrival_s`` on average, 1-8 jobs each, seconds apart) and
-    mixed job sizes (log-normal work, median 1, a few 5x-10x jobs) and batch ranges."""
+    mixed job sizes (log-normal, median ``work``, a few 5x-10x that) and batch ranges."""
     rng = np.random.default_rng(seed)
     out, t = [], 0.0
     while len(out) < jobs:
         t += rng.exponential(8 * interarrival_s)
         for _ in range(min(int(rng.integers(1, 9)), jobs - len(out))):
-            work = float(np.clip(rng.lognormal(0.0, 0.9), 0.2, 10.0))
+            size = work * float(np.clip(rng.lognormal(0.0, 0.9), 0.2, 10.0))
             lo, hi = [(64, 1024), (64, 512), (128, 1024)][int(rng.integers(0, 3))]
-            out.append(TraceJob(f"job{len(out):03d}", t + float(rng.uniform(0, 5)), work, (lo, hi), 128,
+            out.append(TraceJob(f"job{len(out):03d}", t + float(rng.uniform(0, 5)), size, (lo, hi), 128,
                                 int(rng.choice([4, 8, 16]))))
     return sorted(out, key=lambda j: j.arrival)
 

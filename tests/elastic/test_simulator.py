@@ -79,3 +79,14 @@ def test_trace_file_cluster_actions_and_cli(tmp_path):
     assert [r["policy"] for r in results] == ["fixed", "dp", "goodput"] and all(r["completed"] == 5 for r in results)
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     assert all(json.loads(line)["ranks"] <= 4 for line in (tmp_path / "d.jsonl").read_text().splitlines())
+
+
+def test_shipped_profile_is_a_measurement():
+    profile = Profile.load()
+    assert profile.meta["command"].startswith("python -m lightning_dlrover.elastic.profile")
+    for key, curve in profile.meta["curves"].items():  # the samples-to-target entries follow from the curves
+        batch, seed = map(int, key.split("/"))
+        target = profile.meta["targets"][str(seed)]
+        hit = next((seen for seen, loss in curve if seen > 0 and loss <= target), None)
+        assert hit is None or hit <= profile.samples_to_target[batch] * 2 + 1  # the median over seeds
+    assert profile.samples_needed(1024) >= profile.samples_needed(128)
