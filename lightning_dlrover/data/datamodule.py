@@ -31,7 +31,8 @@ class ResumableLoader:
     """
 
     def __init__(self, source: SampleSource, rank: int, world_size: int, global_batch_size: int) -> None:
-        rank_slice(global_batch_size, rank, world_size)  # fail now, not at the first batch
+        if global_batch_size < 1:
+            raise ValueError(f"data.global_batch_size={global_batch_size} must be positive.")
         self.source, self.rank, self.world_size = source, rank, world_size
         self.global_batch_size = global_batch_size
         self._next_sample = 0
@@ -42,6 +43,8 @@ class ResumableLoader:
         return len(self.source) // self.global_batch_size
 
     def __iter__(self) -> Iterator[Batch]:
+        # Checked here, not at construction: a batch scaler may set a batch this world size divides before then.
+        rank_slice(self.global_batch_size, self.rank, self.world_size)
         start, self._resume_from = self._resume_from, 0
         self._next_sample = start
         total = len(self.source)
@@ -81,7 +84,7 @@ class DLRMDataModule(pl.LightningDataModule):
         global_batch_size: samples per step summed over all ranks; must be divisible by the world size.
         train_batches: global batches per training epoch (synthetic data).
         val_batches: global batches per validation run (synthetic data); 0 disables validation.
-        seed: seed of the synthetic stream (validation uses ``seed + 1``).
+        seed: seed of the synthetic stream (validation: samples of ``seed + 1`` labelled by the same function).
         alpha: power-law exponent of synthetic ids.
         criteo_paths: Criteo TSV files for training.
         val_criteo_paths: Criteo TSV files for validation.
@@ -126,6 +129,7 @@ class DLRMDataModule(pl.LightningDataModule):
             hp.global_batch_size * (hp.train_batches if train else hp.val_batches),
             seed=hp.seed if train else hp.seed + 1,
             alpha=hp.alpha,
+            label_seed=hp.seed,  # validation: other samples, the same labelling function
         )
 
     def _loader(self, train: bool) -> ResumableLoader:

@@ -386,6 +386,7 @@ class PipelinedLoader(ResumableLoader):
             self.stats.reset_s += time.perf_counter() - t0
 
     def __iter__(self) -> Iterator[Batch]:
+        rank_slice(self.global_batch_size, self.rank, self.world_size)  # as ResumableLoader: before the first batch
         start, self._resume_from = self._resume_from, 0
         self._next_sample = start
         self.close()

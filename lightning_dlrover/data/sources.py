@@ -78,8 +78,10 @@ class SyntheticCriteo:
     Args:
         num_embeddings_per_feature: table size of each of the 26 categorical features.
         num_samples: samples per epoch.
-        seed: seed of the whole stream.
+        seed: seed of the samples.
         alpha: power-law exponent of the ids (1.0 = uniform).
+        label_seed: seed of the labelling function (default ``seed``); a validation stream takes another ``seed``
+            and the training stream's ``label_seed`` so that it measures the same task.
 
     Example::
 
@@ -95,6 +97,7 @@ class SyntheticCriteo:
         num_samples: int,
         seed: int = 0,
         alpha: float = 1.5,
+        label_seed: int | None = None,
     ) -> None:
         if len(num_embeddings_per_feature) != NUM_SPARSE:
             raise ValueError(
@@ -108,7 +111,7 @@ class SyntheticCriteo:
         self.num_samples = num_samples
         self.seed = seed
         self.alpha = alpha
-        weights = torch.Generator().manual_seed(seed ^ 0x5EED)
+        weights = torch.Generator().manual_seed((seed if label_seed is None else label_seed) ^ 0x5EED)
         self._dense_weight = torch.randn(NUM_DENSE, generator=weights) * 0.3
         self._id_salt = torch.randint(1, 2**31 - 1, (NUM_SPARSE,), generator=weights, dtype=torch.int64)
 

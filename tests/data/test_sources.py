@@ -60,7 +60,7 @@ def test_synthetic_is_deterministic_skewed_and_learnable():
 
 def test_bad_world_size_and_sizes():
     with pytest.raises(ValueError, match="global_batch_size=10 is not divisible by the world size 3"):
-        ResumableLoader(SyntheticCriteo(SIZES, 10), rank=0, world_size=3, global_batch_size=10)
+        iter(ResumableLoader(SyntheticCriteo(SIZES, 10), rank=0, world_size=3, global_batch_size=10)).__next__()
     with pytest.raises(ValueError, match="has 2 entries; Criteo has 26"):
         SyntheticCriteo([1, 2], 8)
 
@@ -137,3 +137,10 @@ def test_global_batch_size_can_change_between_steps_without_losing_a_sample():
             loader.global_batch_size = 16
     assert [len(x) for x in labels] == [8, 8, 16, 16, 16]
     assert torch.equal(torch.cat(labels), source.rows(0, 64)[2])
+
+
+def test_validation_stream_has_other_samples_but_the_same_labelling():
+    train = SyntheticCriteo(SIZES, 4096, seed=3)
+    val = SyntheticCriteo(SIZES, 4096, seed=4, label_seed=3)
+    assert not torch.equal(train.rows(0, 64)[1], val.rows(0, 64)[1])
+    assert torch.equal(train._dense_weight, val._dense_weight) and torch.equal(train._id_salt, val._id_salt)

@@ -7,7 +7,6 @@ from collections import Counter
 import pytest
 
 from lightning_dlrover import ElasticBatchScaler
-from lightning_dlrover.data import ResumableLoader
 from tests.conftest import REPO, run
 
 SCRIPT = REPO / "tests" / "elastic" / "elastic_job.py"
@@ -29,8 +28,6 @@ def _job(tmp_path, *args):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not isinstance(getattr(ResumableLoader, "global_batch_size", None), property),
-                    reason="needs the sample-addressable ResumableLoader with a settable global_batch_size")
 def test_grow_keep_per_rank_rescales_batch_and_lr_and_loses_no_sample(tmp_path):
     ckpt = tmp_path / "ckpt"
     first = _job(tmp_path, "--devices", "2", "--steps", "4", "--batch", "64", "--ckpt-dir", ckpt, "--ckpt-every", "4")
