@@ -39,6 +39,7 @@ from pathlib import Path
 import psutil
 from torch.distributed import TCPStore
 
+from lightning_dlrover.cli.launch import serve_store
 from lightning_dlrover.fault import membership
 from lightning_dlrover.fault.injector import FAULT_ENV, PHASES
 from lightning_dlrover.fault.spill import SPILL_ENV
@@ -77,12 +78,7 @@ class Job:
 
 def _loopback_store() -> tuple[TCPStore, socket.socket]:
     """A rendezvous store listening on 127.0.0.1 only (``TCPStore`` alone binds every interface)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    store = TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                     master_listen_fd=sock.fileno())
-    return store, sock
+    return serve_store("127.0.0.1:0")
 
 
 class Cluster:
