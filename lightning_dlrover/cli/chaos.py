@@ -268,7 +268,8 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     generations = sorted({e["lost_at"] for e in in_process if e["lost_at"] is not None})
     in_process = [e for e in in_process if generations and e["lost_at"] == generations[0]]  # the first kill's
     recoveries = [e for e in events if e.kind in ("restored", "fallback") and e.time >= after]
-    recoveries = recoveries or [e for e in in_process if e.rank == min(x.rank for x in in_process)]
+    if in_process and (not recoveries or in_process[0].time < recoveries[0].time):  # the first kill's recovery first
+        recoveries = [e for e in in_process if e.rank == min(x.rank for x in in_process)] + recoveries
     stopped = [e.time for e in events if e.kind == "stopped" and e.time >= after]
     stopped += [e["failed_at"] for e in in_process if e["failed_at"] is not None]
     resumed = [e.time for e in events if e.kind == "resumed" and e.time >= after]

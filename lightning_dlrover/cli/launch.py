@@ -21,6 +21,7 @@ Example (two machines, two ranks each, one hot spare each)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import subprocess
@@ -92,7 +93,17 @@ class Launcher:
         for _ in range(a.spares):
             self.spawn(None, 0)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 0.0) -> None:
+        """Stops every worker: SIGTERM first when ``grace`` > 0 (as ``torchrun`` does: a survivor spills its committed
+        state for the restart), SIGKILL for whatever is left after ``grace`` seconds."""
+        if grace > 0:
+            for worker in self.workers:
+                if worker.process.poll() is None:
+                    worker.process.terminate()
+            deadline = time.time() + grace
+            for worker in self.workers:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    worker.process.wait(timeout=max(deadline - time.time(), 0.01))
         for worker in self.workers:
             if worker.process.poll() is None:
                 worker.process.kill()
@@ -148,7 +159,7 @@ class Launcher:
                      message=f"ranks {[w.rank for w in failed]} failed "
                      + ("with no survivor" if not survivors else "during in-process recovery" if recent else "")
                      + ": restarting every worker")
-                self.stop()
+                self.stop(grace=self.args.stop_grace)
                 self.restarts += 1
                 self.start()
                 recovering = None
@@ -180,6 +191,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--master", default="127.0.0.1:29500", help="host:port of the store (on machine 0)")
     p.add_argument("--run-id", default=None, help="job id (default: random)")
     p.add_argument("--max-restarts", type=int, default=3, help="full restarts when in-process recovery fails")
+    p.add_argument("--stop-grace", type=float, default=30.0,
+                   help="seconds between SIGTERM and SIGKILL when every worker is restarted (survivors spill meanwhile)")
     p.add_argument("--no-in-process", action="store_true", help="restart every worker on any failure, like torchrun")
     p.add_argument("--monitor-interval", type=float, default=0.05, help="seconds between checks of the workers")
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py [args] (or -m module [args])")
