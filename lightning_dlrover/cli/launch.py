@@ -98,8 +98,8 @@ class Launcher:
         state for the restart), SIGKILL for whatever is left after ``grace`` seconds."""
         if grace > 0:
             for worker in self.workers:
-                if worker.process.poll() is None:
-                    worker.process.terminate()
+                if worker.process.poll() is None:  # idle spares hold no state: they go at once
+                    worker.process.terminate() if worker.rank is not None else worker.process.kill()
             deadline = time.time() + grace
             for worker in self.workers:
                 with contextlib.suppress(subprocess.TimeoutExpired):
