@@ -98,8 +98,12 @@ class Launcher:
         state for the restart), SIGKILL for whatever is left after ``grace`` seconds."""
         if grace > 0:
             for worker in self.workers:
-                if worker.process.poll() is None:  # idle spares hold no state: they go at once
-                    worker.process.terminate() if worker.rank is not None else worker.process.kill()
+                if worker.process.poll() is not None:
+                    continue
+                if worker.rank is None:  # an idle spare holds no state: it goes at once
+                    worker.process.kill()
+                else:
+                    worker.process.terminate()
             deadline = time.time() + grace
             for worker in self.workers:
                 with contextlib.suppress(subprocess.TimeoutExpired):
