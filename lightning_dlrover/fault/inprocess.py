@@ -25,11 +25,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch.distributed as dist
 
 from lightning_dlrover.fault import membership
+from lightning_dlrover.fault.launcher import restart_count
 from lightning_dlrover.fault.manager import FaultManager, Host
 from lightning_dlrover.fault.process_group import ReconfigurableGroup
 from lightning_dlrover.fault.recovery import RecoveryReport
@@ -42,7 +42,6 @@ class JoinTimes:
 
     lost_at: float | None = None  # the launcher saw the process die
     failed_at: float | None = None  # this survivor's collective failed
-    assigned_at: float | None = None  # the spare was handed the rank
     connected_at: float | None = None  # generation g + 1 of the world group is up
     restored_at: float | None = None  # decode, dense and trainer state done
 
@@ -53,9 +52,10 @@ def world_group() -> ReconfigurableGroup | None:
     return group if isinstance(group, ReconfigurableGroup) else None
 
 
-def launch_index() -> int:
-    """Which full launch of the job this is (the launcher's restart count)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+def joining() -> bool:
+    """Whether this process is a replacement whose set-up runs before it joins the survivors."""
+    group = world_group()
+    return group is not None and group.joining
 
 
 def take_rank_if_spare() -> membership.Assignment | None:
@@ -65,9 +65,9 @@ def take_rank_if_spare() -> membership.Assignment | None:
     if not index:
         return None
     store = membership.connect()
-    assignment = membership.wait_for_assignment(store, launch_index(), int(index))
+    assignment = membership.wait_for_assignment(store, restart_count(), int(index))
     membership.become(assignment)
-    membership.announce_ready(store, launch_index(), assignment)
+    membership.announce_ready(store, restart_count(), assignment)
     return assignment
 
 
@@ -76,15 +76,9 @@ class InProcessRecovery:
 
     def __init__(self, manager: FaultManager, assignment: membership.Assignment | None = None) -> None:
         self.manager = manager
-        at = assignment.assigned_at if assignment is not None else None
-        self.times = JoinTimes(lost_at=at, assigned_at=at)  # the launcher assigns when it publishes the plan
+        # The launcher assigns a spare when it publishes the plan: the loss time of this rank's recovery.
+        self.times = JoinTimes(lost_at=assignment.assigned_at if assignment is not None else None)
         self._store = membership.connect() if membership.enabled() else None
-
-    @property
-    def joining(self) -> bool:
-        """Whether this process is a replacement that has not joined yet."""
-        group = world_group()
-        return group is not None and group.joining
 
     def recover(self, host: Host, error: BaseException) -> RecoveryReport | None:
         """On a survivor whose step failed with ``error``: waits for the launcher's plan, rebuilds the world group
@@ -94,7 +88,7 @@ class InProcessRecovery:
         if group is None or self._store is None or not isinstance(error, RuntimeError):
             return None
         self.times = JoinTimes(failed_at=time.time())
-        plan = membership.wait_for_plan(self._store, launch_index(), group.generation + 1)
+        plan = membership.wait_for_plan(self._store, restart_count(), group.generation + 1)
         if plan is None:
             emit("in_process_refused", why="no recovery plan from the launcher", error=str(error)[:200],
                  message=f"rank {host.global_rank}: {type(error).__name__} and no rank reported lost: not recovering in process")
@@ -102,7 +96,7 @@ class InProcessRecovery:
         if host.global_rank in plan.lost:
             return None  # a rank the launcher believes dead must not come back as a survivor
         self.times.lost_at = plan.reported_at
-        if not membership.wait_for_replacements(self._store, launch_index(), plan):
+        if not membership.wait_for_replacements(self._store, restart_count(), plan):
             emit("in_process_refused", why="the replacement did not start in time", error=str(error)[:200],
                  message=f"rank {host.global_rank}: no replacement for ranks {plan.lost}: not recovering in process")
             return None
@@ -118,7 +112,7 @@ class InProcessRecovery:
         group.joining = False
         membership.joined()
         self.times.connected_at = time.time()
-        plan = membership.wait_for_plan(self._store, launch_index(), group.generation) if self._store else None
+        plan = membership.wait_for_plan(self._store, restart_count(), group.generation) if self._store else None
         return self._restore(host, survivor=False, lost=plan.lost if plan is not None else [host.global_rank])
 
     def _restore(self, host: Host, survivor: bool, lost: list[int]) -> RecoveryReport:
@@ -126,7 +120,7 @@ class InProcessRecovery:
         self.times.restored_at = time.time()
         group = world_group()
         if self._store is not None and group is not None:
-            membership.report_restored(self._store, launch_index(), group.generation)
+            membership.report_restored(self._store, restart_count(), group.generation)
         t = self.times
         emit("recovered_in_process", step=report.step, survivor=survivor, lost_ranks=lost, decode_s=report.decode_s,
              reshard_s=report.reshard_s, lost_at=t.lost_at, failed_at=t.failed_at, connected_at=t.connected_at,
@@ -134,7 +128,3 @@ class InProcessRecovery:
              message=f"rank {host.global_rank} ({'survivor' if survivor else 'replacement'}) recovered in process at "
              f"step {report.step}: ranks {lost} replaced; {report}" if host.is_global_zero else None)
         return report
-
-    def summary(self) -> dict[str, Any]:
-        """The marks of the last recovery on this rank."""
-        return dict(vars(self.times))

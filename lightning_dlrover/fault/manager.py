@@ -17,7 +17,6 @@ resuming from it is exact for any model (Dropout, BatchNorm, any dense optimizer
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -331,11 +330,7 @@ class FaultManager:
         assert self.coded is not None and self._host is not None and self._dense is not None
         self.coded.rollback()
         self._dense.restore()
-        meta = None
-        if self._meta is not None:
-            dense = {k: v for k, v in self._host.lightning_module.state_dict().items()
-                     if not isinstance(v, ShardedTensor)}
-            meta = {**self._meta, "state_dict": dense}
+        meta = self._committed_meta(self._host) if self._meta is not None else None
         state, placement = self.coded.state, self.coded.placement
         return Spill(
             rank=self._host.global_rank, world_size=self._host.world_size, step=self.committed_step, k=state.k,
@@ -343,6 +338,12 @@ class FaultManager:
             layouts=state.layouts, chunks=self._read_chunks(),
             parity=self.coded.parity, rank_states=self._rank_states, meta=meta, identity=job_identity(),
         )  # fmt: skip
+
+    def _committed_meta(self, host: Host) -> dict[str, Any]:
+        """The trainer state of the last commit with the dense parameters and buffers (the dense state must be
+        restored to the commit first)."""
+        dense = {k: v for k, v in host.lightning_module.state_dict().items() if not isinstance(v, ShardedTensor)}
+        return {**(self._meta or {}), "state_dict": dense}
 
     def _read_chunks(self) -> Tensor:
         """This rank's ``k`` data chunks in one uint8 ``[k, chunk_len]`` tensor."""
@@ -384,8 +385,7 @@ class FaultManager:
         source = min(set(range(host.world_size)) - set(lost))
         committed: list[Any] = [None, None, None]
         if host.global_rank == source:
-            dense = {k: v for k, v in host.lightning_module.state_dict().items() if not isinstance(v, ShardedTensor)}
-            committed = [self.committed_step, {**(self._meta or {}), "state_dict": dense}, self._rank_states]
+            committed = [self.committed_step, self._committed_meta(host), self._rank_states]
         dist.broadcast_object_list(committed, src=source)
         step, meta, rank_states = committed
         started = time.perf_counter()

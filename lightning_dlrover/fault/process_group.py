@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -35,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.futures import Future
+
+from lightning_dlrover.fault.launcher import restart_count
 
 BACKEND = "dlrover_gloo"
 """Name of the reconfigurable backend for ``init_process_group`` (``DLRoverStrategy(process_group_backend=...)``)."""
@@ -58,34 +59,32 @@ class ReconfigurableGroup(dist.ProcessGroup):
         super().__init__(rank, world_size)
         self._store, self._timeout = store, timeout
         #: Full launches of the job before this one (the launcher's restarts): each has its own store keys.
-        self.launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.launch = restart_count()
         self.generation = generation
         self.joining = joining
         self._inner: dist.ProcessGroup | None = None
         self._name: str | None = None
-        self._lock = threading.Lock()
         self._connect(generation)
 
     def _connect(self, generation: int) -> None:
         store = dist.PrefixStore(f"dlrover_pg/{self.launch}/{generation}/", self._store)
         inner = dist.ProcessGroupGloo(store, self.rank(), self.size(), self._timeout)
-        with self._lock:
-            self._inner, self.generation = inner, generation
-            # The group's name lives in its backends (DeviceMesh looks the world group up by name); C++ callers that
-            # dispatch by device (DDP's reducer) reach the current gloo group through this registration too.
-            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, inner)
-            if self._name is not None:
-                self._set_group_name(self._name)
+        self._inner, self.generation = inner, generation
+        # The group's name lives in its backends (DeviceMesh looks the world group up by name); C++ callers that
+        # dispatch by device (DDP's reducer) reach the current gloo group through this registration too.
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, inner)
+        if self._name is not None:
+            self._set_group_name(self._name)
 
     def reconfigure(self, generation: int) -> float:
         """Replaces the inner gloo group by a new one for ``generation`` (collective over the new members:
         blocks until every rank, the replacement included, has called it). Returns the seconds it took."""
         if generation <= self.generation:
             raise ValueError(f"generation {generation} is not newer than the current {self.generation}.")
-        started = _now()
+        started = time.perf_counter()
         self._inner = None  # a failed peer's group is never used again
         self._connect(generation)
-        return _now() - started
+        return time.perf_counter() - started
 
     def getBackendName(self) -> str:
         return "gloo"  # what runs the collectives; torch and TorchRec pick CPU code paths by this name
@@ -169,10 +168,6 @@ class ReconfigurableGroup(dist.ProcessGroup):
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
         return self._call("recv_anysource", lambda: _refuse("recv"), tensors, tag)
-
-
-def _now() -> float:
-    return time.perf_counter()
 
 
 def _local_reduce(tensors: list[torch.Tensor], op: dist.ReduceOp, world_size: int) -> list[torch.Tensor]:

@@ -36,7 +36,7 @@ from typing_extensions import override
 from lightning_dlrover.checkpoint import complete_sharded_state, directory, get_backend
 from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig, rank_state
 from lightning_dlrover.fault import membership
-from lightning_dlrover.fault.inprocess import InProcessRecovery, take_rank_if_spare, world_group
+from lightning_dlrover.fault.inprocess import InProcessRecovery, joining, take_rank_if_spare, world_group
 from lightning_dlrover.fault.launcher import node_range
 from lightning_dlrover.fault.process_group import BACKEND as RECONFIGURABLE
 from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
@@ -233,7 +233,7 @@ class DLRoverStrategy(DDPStrategy):
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Lightning's broadcast; on a replacement still joining the job (nobody else is listening), its own value."""
-        return obj if in_process.joining() else super().broadcast(obj, src)
+        return obj if joining() else super().broadcast(obj, src)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -14,7 +14,8 @@ from torchrec.distributed import collective_utils
 from torchrec.distributed.types import ShardingPlan
 
 from lightning_dlrover.fault import membership
-from lightning_dlrover.fault.inprocess import InProcessRecovery, launch_index, world_group
+from lightning_dlrover.fault.inprocess import InProcessRecovery, joining
+from lightning_dlrover.fault.launcher import restart_count
 from lightning_dlrover.fault.manager import FaultManager, Host
 from lightning_dlrover.fault.process_group import BACKEND, register
 from lightning_dlrover.fault.recovery import RecoveryReport
@@ -27,12 +28,6 @@ def process_group_backend(requested: str | None) -> str | None:
         return requested
     register()
     return BACKEND
-
-
-def joining() -> bool:
-    """Whether this process is a replacement whose set-up runs before it joins the survivors."""
-    group = world_group()
-    return group is not None and group.joining
 
 
 def install(trainer: pl.Trainer, host: Host, manager: FaultManager, recovery: InProcessRecovery) -> None:
@@ -52,14 +47,13 @@ def install(trainer: pl.Trainer, host: Host, manager: FaultManager, recovery: In
         resume(report)
         return True
 
-    join = None
-    if recovery.joining:
+    def join() -> None:
+        resume(recovery.join(host))
+
+    replacement = joining()
+    if replacement:
         trainer.num_sanity_val_steps = 0  # the survivors are past it
-
-        def join() -> None:
-            resume(recovery.join(host))
-
-    glue.rerun_fit_loop(trainer, recover, before_first_run=join)
+    glue.rerun_fit_loop(trainer, recover, before_first_run=join if replacement else None)
 
 
 def shared_plan(compute: Callable[[], ShardingPlan], global_rank: int) -> ShardingPlan:
@@ -67,7 +61,7 @@ def shared_plan(compute: Callable[[], ShardingPlan], global_rank: int) -> Shardi
     which read it instead (the survivors are not running the planner)."""
     if not membership.enabled():
         return compute()
-    store, launch = membership.connect(), launch_index()
+    store, launch = membership.connect(), restart_count()
     if membership.is_joining():
         # DistributedModelParallel's constructor broadcasts TorchRec's collective-validation flag from rank 0
         # once per process; the survivors are not listening, so the replacement keeps the default (off).
