@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,30 @@ def train(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
 def digests(output: str) -> dict[str, str]:
     """``{"end": hex}`` for the strategy's final digest and ``{"<step>": hex}`` for StateDigest lines."""
     return {step or "end": value for step, value in DIGEST.findall(output)}
+
+
+def reap(processes: list[multiprocessing.process.BaseProcess], grace: float = 5.0) -> None:
+    """Terminates (then kills) every process in ``processes`` still alive and waits for it."""
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in processes:
+        proc.join(grace)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test():
+    """A child a test started with ``multiprocessing`` never outlives it: at interpreter exit multiprocessing
+    joins every live non-daemon child, so one hung rank would keep pytest from exiting after its summary."""
+    yield
+    reap(multiprocessing.active_children())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    reap(multiprocessing.active_children())
+    stuck = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if stuck:  # these would keep the interpreter alive after the summary
+        print(f"\nnon-daemon threads still alive at the end of the session: {stuck}", file=sys.stderr)
