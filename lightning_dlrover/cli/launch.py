@@ -153,13 +153,17 @@ class Launcher:
             failed = [w for w in self.workers if w.process.poll() not in (None, 0)]
             if failed:
                 recent = recovering is not None
+                if not recent:  # ranks that die together (one fault, one machine) are replaced in one plan
+                    time.sleep(self.args.settle)
+                    failed = [w for w in self.workers if w.process.poll() not in (None, 0)]
                 survivors = [w for w in self.workers if w.rank is not None and w.process.poll() is None]
                 if survivors and not recent and not self.args.no_in_process:
                     recovering = self.replace(failed)
                     continue
                 if self.restarts >= self.args.max_restarts:
                     return 1
-                emit("restarting_all", restarts=self.restarts + 1, failed_ranks=[w.rank for w in failed],
+                reason = "no_survivor" if not survivors else "during_recovery" if recent else "in_process_off"
+                emit("restarting_all", restarts=self.restarts + 1, failed_ranks=[w.rank for w in failed], reason=reason,
                      message=f"ranks {[w.rank for w in failed]} failed "
                      + ("with no survivor" if not survivors else "during in-process recovery" if recent else "")
                      + ": restarting every worker")
@@ -199,6 +203,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="seconds between SIGTERM and SIGKILL when every worker is restarted (survivors spill meanwhile)")
     p.add_argument("--no-in-process", action="store_true", help="restart every worker on any failure, like torchrun")
     p.add_argument("--monitor-interval", type=float, default=0.05, help="seconds between checks of the workers")
+    p.add_argument("--settle", type=float, default=0.1,
+                   help="seconds to wait after a first failure for others that come with it, so they share one recovery")
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py [args] (or -m module [args])")
     args = p.parse_args(argv)
     if args.program[:1] == ["--"]:
@@ -208,6 +214,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for name in ("nnodes", "nproc_per_node"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1.")
+    for name in ("settle", "stop_grace"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0 seconds.")
+    if args.monitor_interval <= 0:
+        p.error("--monitor-interval must be > 0 seconds.")
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} is outside [0, {args.nnodes}).")
     return args

@@ -10,6 +10,8 @@ For tests, demos and failure drills. Install it as a callback (Python, or YAML/C
 or through the environment, which reaches every rank a launcher starts::
 
     LIGHTNING_DLROVER_FAULT=rank=1,step=5,phase=after_optimizer[,signal=SIGTERM]
+    LIGHTNING_DLROVER_FAULT=rank=1+2,step=5,phase=before_forward   # two ranks die at the same point
+    LIGHTNING_DLROVER_FAULT="rank=1,step=5,phase=before_forward;rank=0,step=5,phase=during_recovery"  # two faults
     LIGHTNING_DLROVER_FAULT=step=5,phase=after_optimizer,target=node   # set on one torchrun agent only
     LIGHTNING_DLROVER_FAULT=step=5,phase=after_optimizer,target=all    # every rank dies at once
 
@@ -29,6 +31,10 @@ The phases of a step, in order:
   with parity, nothing of the step is committed yet).
 - ``during_parity_commit``: inside the parity commit, after this rank sent its row deltas and folded in the
   ones it received, before the vote that commits the step (needs ``DLRoverStrategy(parity=...)``).
+
+and one outside the step: ``during_recovery``, on a rank that survived a loss, inside an in-process recovery
+(``lightning-dlrover launch``) once the communicator was rebuilt and before the committed state is restored;
+``step`` is the step training resumes at. A loss there must fall back to restarting every worker.
 """
 
 from __future__ import annotations
@@ -50,17 +56,19 @@ from lightning_dlrover.monitor.events import emit
 FAULT_ENV = "LIGHTNING_DLROVER_FAULT"
 #: The fault points of a training step, in the order they are reached.
 PHASES = ("before_forward", "after_optimizer", "during_parity_commit")
+#: Fault points outside a training step (see the module docs).
+RECOVERY_PHASES = ("during_recovery",)
 #: Signals the injector can send.
 SIGNALS = ("SIGKILL", "SIGTERM")
 TARGETS = ("rank", "node", "all")
-ENV_FORMAT = "rank=R,step=S,phase=P[,signal=SIGKILL|SIGTERM] or step=S,phase=P,target=node|all"
+ENV_FORMAT = "rank=R[+R...],step=S,phase=P[,signal=SIGKILL|SIGTERM] or step=S,phase=P,target=node|all"
 
 
 class FaultInjector(pl.Callback):
     """Sends ``signal`` to its own process on global rank ``rank`` at phase ``phase`` of training step ``step``.
 
     Args:
-        rank: global rank to kill (ignored with ``target="node"``).
+        rank: global rank to kill, or a list of ranks that die at the same point (ignored with ``target="node"``).
         step: 0-based index of the training step: the one that runs while ``trainer.global_step == step``.
         phase: ``"before_forward"``, ``"after_optimizer"`` or ``"during_parity_commit"`` (see the module docs).
         signal: ``"SIGKILL"`` (the process dies at once, as on a lost machine) or ``"SIGTERM"`` (the process's
@@ -75,18 +83,24 @@ class FaultInjector(pl.Callback):
     """
 
     def __init__(
-        self, rank: int, step: int, phase: str = "after_optimizer", signal: str = "SIGKILL", target: str = "rank"
+        self, rank: int | list[int], step: int, phase: str = "after_optimizer", signal: str = "SIGKILL",
+        target: str = "rank",
     ) -> None:
         if target not in TARGETS:
             raise ValueError(f"FaultInjector target={target!r} is not one of {list(TARGETS)}.")
-        if phase not in PHASES:
-            raise ValueError(f"FaultInjector phase={phase!r} is not one of {list(PHASES)}.")
+        if phase not in PHASES + RECOVERY_PHASES:
+            raise ValueError(f"FaultInjector phase={phase!r} is not one of {list(PHASES + RECOVERY_PHASES)}.")
         if signal not in SIGNALS:
             raise ValueError(f"FaultInjector signal={signal!r} is not one of {list(SIGNALS)}.")
-        for name, value in (("rank", rank), ("step", step)):
+        ranks = list(rank) if isinstance(rank, (list, tuple)) else [rank]
+        for name, value in [*(("rank", r) for r in ranks), ("step", step)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"FaultInjector {name}={value!r} must be an integer >= 0.")
-        self.rank, self.step, self.phase, self.signal, self.target = rank, step, phase, signal, target
+        if not ranks:
+            raise ValueError("FaultInjector rank=[] names no rank; give one rank or a list of them.")
+        self.rank = rank if isinstance(rank, int) else sorted(set(ranks))
+        self.ranks = sorted(set(ranks))
+        self.step, self.phase, self.signal, self.target = step, phase, signal, target
         self._strategy: Any = None
 
     def __repr__(self) -> str:
@@ -99,7 +113,8 @@ class FaultInjector(pl.Callback):
     def from_env(cls, value: str | None = None) -> FaultInjector | None:
         """The injector described by ``value`` (default: ``os.environ[FAULT_ENV]``); ``None`` if that is unset or blank.
 
-        The format is ``rank=R,step=S,phase=P`` with an optional ``,signal=SIGKILL|SIGTERM``, in any order.
+        The format is ``rank=R,step=S,phase=P`` with an optional ``,signal=SIGKILL|SIGTERM``, in any order;
+        ``rank=1+2`` kills ranks 1 and 2 at the same point.
         """
         if value is None:
             value = os.environ.get(FAULT_ENV)
@@ -121,17 +136,26 @@ class FaultInjector(pl.Callback):
         missing = [key for key in ("rank", "step", "phase") if not fields.get(key)]
         if missing:
             raise ValueError(f"{source}: missing {', '.join(missing)}; the format is {ENV_FORMAT}.")
-        numbers = {}
+        numbers: dict[str, list[int]] = {}
         for key in ("rank", "step"):
             try:
-                numbers[key] = int(fields[key])
+                numbers[key] = [int(part) for part in (fields[key].split("+") if key == "rank" else [fields[key]])]
             except ValueError:
                 message = f"{source}: {key}={fields[key]!r} is not an integer; the format is {ENV_FORMAT}."
                 raise ValueError(message) from None
+        ranks, [step] = numbers["rank"], numbers["step"]
         try:
-            return cls(numbers["rank"], numbers["step"], fields["phase"], fields.get("signal", "SIGKILL"), target)
+            return cls(ranks[0] if len(ranks) == 1 else ranks, step, fields["phase"], fields.get("signal", "SIGKILL"),
+                       target)
         except ValueError as err:
             raise ValueError(f"{source}: {err}") from None
+
+    @classmethod
+    def all_from_env(cls, value: str | None = None) -> list[FaultInjector]:
+        """Every injector in ``value`` (default: ``os.environ[FAULT_ENV]``): :meth:`from_env` specs joined by ``;``."""
+        if value is None:
+            value = os.environ.get(FAULT_ENV, "")
+        return [injector for part in value.split(";") if (injector := cls.from_env(part)) is not None]
 
     def attach(self, strategy: Any) -> None:
         """Adds this injector to ``strategy.fault_points`` (once), checking that the strategy reaches its phase."""
@@ -146,8 +170,8 @@ class FaultInjector(pl.Callback):
                 f"{self!r}: phase 'during_parity_commit' is only reached with parity on. Pass "
                 f"DLRoverStrategy(parity=ParityConfig(k, r)) or choose one of {[p for p in PHASES if p != self.phase]}."
             )
-        if self.target == "rank" and self.rank >= strategy.world_size:
-            raise ValueError(f"{self!r}: there is no rank {self.rank} at world size {strategy.world_size}.")
+        if self.target == "rank" and max(self.ranks) >= strategy.world_size:
+            raise ValueError(f"{self!r}: there is no rank {max(self.ranks)} at world size {strategy.world_size}.")
         if self not in points:
             points.append(self)
         self._strategy = strategy
@@ -166,7 +190,7 @@ class FaultInjector(pl.Callback):
         if phase != self.phase or step != self.step or getattr(self._strategy, "recovered", False):
             return
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if self.target == "rank" and rank != self.rank:
+        if self.target == "rank" and rank not in self.ranks:
             return
         pid = os.getpid()
         sys.stdout.flush()

@@ -102,6 +102,7 @@ class InProcessRecovery:
             return None
         group.reconfigure(plan.generation)
         self.times.connected_at = time.time()
+        self.manager.reach("during_recovery", self.manager.committed_step)
         return self._restore(host, survivor=True, lost=plan.lost)
 
     def join(self, host: Host) -> RecoveryReport:

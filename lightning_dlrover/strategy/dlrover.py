@@ -193,7 +193,7 @@ class DLRoverStrategy(DDPStrategy):
         self.model = self._dmp if self._dmp is not None else self._shard(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if (injector := FaultInjector.from_env()) is not None:  # LIGHTNING_DLROVER_FAULT=rank=R,step=S,phase=P
+            for injector in FaultInjector.all_from_env():  # LIGHTNING_DLROVER_FAULT=rank=R,step=S,phase=P[;...]
                 injector.attach(self)
             if not self._started:  # the first fit of this process
                 self._started = True

@@ -23,7 +23,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path, name: str, *launch_args: str, fault: str | None = None, steps: int = 12, script_args=()):
+def launch(tmp_path, name: str, *launch_args: str, fault: str | None = None, steps: int = 12, script_args=(),
+           nproc: int = 2):
     """Runs the user model under the launcher; returns (digest, events, output)."""
     workdir = tmp_path / name
     workdir.mkdir()
@@ -31,7 +32,7 @@ def launch(tmp_path, name: str, *launch_args: str, fault: str | None = None, ste
     env = {"LIGHTNING_DLROVER_EVENTS": str(events), "LIGHTNING_DLROVER_PLAN_TIMEOUT": "20"}
     if fault:
         env["LIGHTNING_DLROVER_FAULT"] = fault
-    proc = run(["-m", "lightning_dlrover", "launch", "--nproc-per-node", "2", "--master", f"127.0.0.1:{free_port()}",
+    proc = run(["-m", "lightning_dlrover", "launch", "--nproc-per-node", str(nproc), "--master", f"127.0.0.1:{free_port()}",
                 *launch_args, "--", SCRIPT, "--steps", str(steps), "--root", str(workdir), *script_args], workdir, timeout=400, env=env)
     digest = re.findall(r"state digest: ([0-9a-f]{64})", proc.stdout)
     assert digest, proc.stdout[-4000:]
@@ -81,3 +82,30 @@ def test_losing_every_rank_falls_back_to_a_full_restart(tmp_path, reference):
     fallback = next(e for e in events if e.kind == "fallback")
     assert fallback.step == 3 and fallback.fields["steps_lost"] == 2  # the checkpoint of step 3; steps 3-4 again
     assert digest == reference  # the replay is exact
+
+
+def test_a_survivor_lost_during_recovery_falls_back_to_a_full_restart(tmp_path, reference):
+    digest, events, _ = launch(tmp_path, "nested", "--spares", "1", "--stop-grace", "5", script_args=("--ckpt-every", "3"),
+                               fault="rank=1,step=5,phase=before_forward;rank=0,step=5,phase=during_recovery")
+    kinds = [e.kind for e in events]
+    assert kinds.count("replacement_planned") == 1 and "recovered_in_process" not in kinds, kinds
+    restart = next(e for e in events if e.kind == "restarting_all")
+    assert restart.fields["failed_ranks"] == [0] and restart.fields["reason"] == "during_recovery"
+    fallback = next(e for e in events if e.kind == "fallback")
+    assert fallback.step == 3  # the checkpoint of step 3
+    assert digest == reference  # the replay is exact
+
+
+def test_two_ranks_lost_together_at_r2_are_replaced_in_one_recovery(tmp_path):
+    """k=1, r=2 on 3 ranks: ranks 1 and 2 die at the same point; one hot spare and one cold process replace
+    them in one plan, and rank 0, alone, hands them the state."""
+    three = ("--parity", "1,2")
+    reference, _, _ = launch(tmp_path, "reference3", "--spares", "0", nproc=3, script_args=three)
+    digest, events, _ = launch(tmp_path, "double", "--spares", "1", nproc=3, script_args=three,
+                               fault="rank=1+2,step=5,phase=before_forward")
+    planned = [e for e in events if e.kind == "replacement_planned"]
+    assert len(planned) == 1 and planned[0].fields["lost_ranks"] == [1, 2], planned
+    assert len(planned[0].fields["cold"]) == 1  # one hot spare, the other started cold
+    assert_recovered_in_process(events, digest, reference, step=5)
+    recovered = {e.rank: e.fields["survivor"] for e in events if e.kind == "recovered_in_process"}
+    assert recovered == {0: True, 1: False, 2: False}

@@ -35,11 +35,20 @@ def run_job(args: list[str], cwd: Path, fault: str | None) -> subprocess.Complet
         (" phase=before_forward , step=0, rank=2 ", (2, 0, "before_forward", "SIGKILL")),
         ("rank=0,step=3,phase=during_parity_commit,signal=SIGTERM", (0, 3, "during_parity_commit", "SIGTERM")),
         ("step=3,phase=before_forward,target=node", (0, 3, "before_forward", "SIGKILL", "node")),
+        ("rank=2+1,step=3,phase=before_forward", ([1, 2], 3, "before_forward", "SIGKILL")),
     ],
 )
 def test_parses_env_value(value, expected):
     injector = FaultInjector.from_env(value)
     assert (injector.rank, injector.step, injector.phase, injector.signal, injector.target) == (*expected, "rank")[:5]
+
+
+def test_several_faults_joined_by_semicolons():
+    first, second = FaultInjector.all_from_env("rank=1,step=5,phase=before_forward; rank=0,step=5,phase=during_recovery")
+    assert (first.rank, first.phase, second.rank, second.phase) == (1, "before_forward", 0, "during_recovery")
+    assert FaultInjector.all_from_env(" ") == []
+    with pytest.raises(ValueError, match="missing phase"):
+        FaultInjector.all_from_env("rank=1,step=5,phase=before_forward;rank=0,step=5")
 
 
 def test_reads_environment(monkeypatch):
@@ -57,18 +66,19 @@ def test_reads_environment(monkeypatch):
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("rank=1,step=5", "missing phase; the format is rank=R,step=S,phase=P"),
-        ("rank=1;step=5;phase=before_forward", "is not key=value; the format is rank=R,step=S,phase=P"),
+        ("rank=1,step=5", "missing phase; the format is rank=R[+R...],step=S,phase=P"),
+        ("rank=1;step=5;phase=before_forward", "is not key=value; the format is rank=R[+R...],step=S,phase=P"),
         ("1,5,before_forward", "'1' is not key=value"),
         ("rank=1,step=5,phase=", "'phase=' is not key=value"),
         ("rank=1,step=5,phase=before_forward,when=now", "unknown key 'when'"),
         ("rank=1,rank=2,step=5,phase=before_forward", "'rank' is given twice"),
         ("rank=one,step=5,phase=before_forward", "rank='one' is not an integer"),
+        ("rank=1+x,step=5,phase=before_forward", "rank='1+x' is not an integer"),
         ("rank=1,step=5.5,phase=before_forward", "step='5.5' is not an integer"),
         ("rank=-1,step=5,phase=before_forward", "rank=-1 must be an integer >= 0"),
         ("rank=1,step=-2,phase=before_forward", "step=-2 must be an integer >= 0"),
         ("rank=1,step=5,phase=backward", "phase='backward' is not one of ['before_forward', 'after_optimizer', "
-                                         "'during_parity_commit']"),
+                                         "'during_parity_commit', 'during_recovery']"),
         ("rank=1,step=5,phase=before_forward,signal=SIGINT", "signal='SIGINT' is not one of ['SIGKILL', 'SIGTERM']"),
         ("step=5,phase=before_forward", "missing rank"),
         ("rank=1,step=5,phase=before_forward,target=rack", "target='rack' is not one of ['rank', 'node', 'all']"),
