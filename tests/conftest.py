@@ -18,6 +18,17 @@ TRAIN_SCRIPT = REPO / "tests" / "scripts" / "train.py"
 DIGEST = re.compile(r"^state digest(?: at step (\d+))?: ([0-9a-f]{64})$", re.MULTILINE)
 
 
+def start(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Starts ``command`` in ``cwd`` in a new session (so ``os.killpg(proc.pid, ...)`` ends all of it), the
+    repository importable, no launcher variables inherited, ``env`` added; stdout+stderr as text in ``.stdout``."""
+    dropped = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LIGHTNING_DLROVER_FAULT")
+    full_env = {k: v for k, v in os.environ.items() if k not in dropped}
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
+    full_env.update(env or {})
+    return subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
 def run(
     args: list[str],
     cwd: Path,
@@ -32,13 +43,8 @@ def run(
     Every process of the job (the launcher and the ranks it starts) is killed when it returns or after
     ``timeout`` seconds, so a hung rank never outlives its test. ``env`` adds environment variables.
     """
-    dropped = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LIGHTNING_DLROVER_FAULT")
-    full_env = {k: v for k, v in os.environ.items() if k not in dropped}
-    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
-    full_env.update(env or {})
     command = [*(program or [sys.executable]), *map(str, args)]
-    proc = subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = start(command, cwd, env)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

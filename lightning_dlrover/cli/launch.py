@@ -9,6 +9,10 @@ in-process path fails (a loss parity cannot cover, a second loss during recovery
 launcher falls back to what ``torchrun`` does: it restarts every worker, which restore from their spills
 or the newest checkpoint. Workers see the same environment ``torchrun`` gives them.
 
+A machine lost with its launcher is noticed by the launcher on machine 0 (the store's host): every launcher
+beats a counter in the store, and when one stops for ``--node-timeout`` seconds machine 0 hands that
+machine's ranks to its own spares, as for a lost process. Losing machine 0 loses the store: the job fails.
+
 Example (two machines, two ranks each, one hot spare each)::
 
     # machine A (hosts the store)            # machine B
@@ -55,6 +59,11 @@ class Launcher:
     run_id: str
     restarts: int = 0
     workers: list[Worker] = field(default_factory=list)
+    lost_nodes: set[int] = field(default_factory=set)
+    _seen: dict[int, tuple[int, float]] = field(default_factory=dict)  # node -> (beats, when they last changed)
+    _last_beat: float = 0.0
+    _store_lost: bool = False
+    _finished: bool = False  # this machine's ranks all finished
 
     @property
     def world_size(self) -> int:
@@ -92,6 +101,11 @@ class Launcher:
             self.spawn(first + local, local)
         for _ in range(a.spares):
             self.spawn(None, 0)
+        self.publish_ranks()
+
+    def publish_ranks(self) -> None:
+        ranks = [w.rank for w in self.workers if w.rank is not None]
+        membership.publish_node_ranks(self.store, self.restarts, self.args.node_rank, ranks)
 
     def stop(self, grace: float = 0.0) -> None:
         """Stops every worker: SIGTERM first when ``grace`` > 0 (as ``torchrun`` does: a survivor spills its committed
@@ -115,23 +129,25 @@ class Launcher:
             worker.process.wait()
         self.workers = []
 
-    def replace(self, lost: list[Worker]) -> int:
-        """Hands the ``lost`` ranks to this machine's spares (the oldest first; a new process where none is left),
-        publishes the recovery plan for the survivors and refills the pool of hot spares; returns its generation."""
+    def replace(self, lost: list[int]) -> int:
+        """Hands the ``lost`` ranks (this machine's dead workers' or a lost machine's) to this machine's spares
+        (the oldest first; a new process where none is left), publishes the recovery plan for the survivors and
+        refills the pool of hot spares; returns its generation."""
+        self.workers = [w for w in self.workers if w.rank not in lost]
         idle = [w for w in self.workers if w.rank is None and w.process.poll() is None]
         replacements: dict[int, int] = {}
         cold: list[int] = []
-        for worker in lost:
-            self.workers.remove(worker)
+        for rank in sorted(lost):
             if idle:
                 spare = idle.pop(0)
             else:  # no hot spare left: a new process takes the rank (it imports everything first)
-                cold.append(worker.rank)
+                cold.append(rank)
                 spare = self.spawn(None, 0)
-            spare.rank = worker.rank
-            replacements[worker.rank] = spare.spare
-            membership.publish_worker(self.store, self.restarts, spare.rank, socket.gethostname(), spare.process.pid)
+            spare.rank = rank
+            replacements[rank] = spare.spare
+            membership.publish_worker(self.store, self.restarts, rank, socket.gethostname(), spare.process.pid)
         plan = membership.publish_plan(self.store, self.restarts, sorted(replacements), self.world_size, replacements)
+        self.publish_ranks()
         for _ in range(len(replacements) - len(cold)):  # keep this machine's pool of hot spares full
             self.spawn(None, 0)
         emit("replacement_planned", generation=plan.generation, lost_ranks=plan.lost,
@@ -140,8 +156,45 @@ class Launcher:
              + (f" (started cold for ranks {cold})" if cold else ""))
         return plan.generation
 
+    def watch_machines(self, adopt: bool = True) -> list[int]:
+        """Beats this machine's counter; on machine 0, returns the ranks of machines whose launcher went silent
+        for ``--node-timeout`` seconds (each declared lost once, with a ``node_lost`` event)."""
+        now = time.monotonic()
+        node = self.args.node_rank
+        if now - self._last_beat < self.args.node_timeout / 5 or self._store_lost:
+            return []
+        self._last_beat = now
+        try:
+            membership.heartbeat(self.store, self.restarts, node)
+        except RuntimeError as err:  # machine 0 ended (or died) before this one: nobody listens any more
+            self._store_lost = True
+            print(f"lightning-dlrover launch: the store on machine 0 is gone ({err}); not beating", file=sys.stderr)
+        if node != 0:
+            return []
+        lost: list[int] = []
+        for other in sorted(set(range(1, self.args.nnodes)) - self.lost_nodes):
+            count = membership.beats(self.store, self.restarts, other)
+            if count == 0 or membership.is_done(self.store, self.restarts, other):
+                continue  # not started yet, or its ranks finished
+            seen = self._seen.get(other)
+            if seen is None or seen[0] != count:
+                self._seen[other] = (count, now)
+            elif now - seen[1] > self.args.node_timeout:
+                self.lost_nodes.add(other)
+                ranks = membership.node_ranks(self.store, self.restarts, other) if adopt else []
+                emit("node_lost", node=other, ranks=ranks, silent_s=round(now - seen[1], 2),
+                     message=f"machine {other}'s launcher is silent for {now - seen[1]:.1f} s: its ranks {ranks} are lost")
+                lost += ranks
+        return lost
+
+    def others_finished(self) -> bool:
+        """On machine 0: every other machine's ranks finished (or the machine is gone)."""
+        return all(membership.is_done(self.store, self.restarts, n) or n in self.lost_nodes
+                   for n in range(1, self.args.nnodes))
+
     def run(self) -> int:
-        """Watches the workers until every rank finished; returns the job's exit code."""
+        """Watches the workers (and, on machine 0, the other machines) until every rank finished; returns the
+        job's exit code."""
         self.start()
         recovering: int | None = None  # generation of the recovery in progress
         while True:
@@ -150,12 +203,14 @@ class Launcher:
                 self.workers.remove(spare)  # a dead spare only shrinks the pool
             if recovering is not None and membership.restored_ranks(self.store, self.restarts, recovering) >= self.world_size:
                 recovering = None
-            failed = [w for w in self.workers if w.process.poll() not in (None, 0)]
+            failed = [w.rank for w in self.workers if w.rank is not None and w.process.poll() not in (None, 0)]
+            failed += self.watch_machines(adopt=not self._finished)
             if failed:
                 recent = recovering is not None
                 if not recent:  # ranks that die together (one fault, one machine) are replaced in one plan
                     time.sleep(self.args.settle)
-                    failed = [w for w in self.workers if w.process.poll() not in (None, 0)]
+                    failed = sorted({*failed, *(w.rank for w in self.workers
+                                                if w.rank is not None and w.process.poll() not in (None, 0))})
                 survivors = [w for w in self.workers if w.rank is not None and w.process.poll() is None]
                 if survivors and not recent and not self.args.no_in_process:
                     recovering = self.replace(failed)
@@ -163,8 +218,8 @@ class Launcher:
                 if self.restarts >= self.args.max_restarts:
                     return 1
                 reason = "no_survivor" if not survivors else "during_recovery" if recent else "in_process_off"
-                emit("restarting_all", restarts=self.restarts + 1, failed_ranks=[w.rank for w in failed], reason=reason,
-                     message=f"ranks {[w.rank for w in failed]} failed "
+                emit("restarting_all", restarts=self.restarts + 1, failed_ranks=failed, reason=reason,
+                     message=f"ranks {failed} failed "
                      + ("with no survivor" if not survivors else "during in-process recovery" if recent else "")
                      + ": restarting every worker")
                 self.stop(grace=self.args.stop_grace)
@@ -174,7 +229,11 @@ class Launcher:
                 continue
             ranks = [w for w in self.workers if w.rank is not None]
             if ranks and all(w.process.poll() == 0 for w in ranks):
-                return 0
+                if not self._finished and not self._store_lost:
+                    membership.mark_done(self.store, self.restarts, self.args.node_rank)
+                self._finished = True
+                if self.args.node_rank != 0 or self.others_finished():  # machine 0 keeps the store up till the end
+                    return 0
 
 
 def serve_store(address: str) -> tuple[TCPStore, socket.socket]:
@@ -203,6 +262,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="seconds between SIGTERM and SIGKILL when every worker is restarted (survivors spill meanwhile)")
     p.add_argument("--no-in-process", action="store_true", help="restart every worker on any failure, like torchrun")
     p.add_argument("--monitor-interval", type=float, default=0.05, help="seconds between checks of the workers")
+    p.add_argument("--node-timeout", type=float, default=3.0,
+                   help="seconds of silence after which machine 0 declares another machine's launcher lost (keep it "
+                        "below LIGHTNING_DLROVER_PLAN_TIMEOUT, 10 s, which the survivors wait for a plan)")
     p.add_argument("--settle", type=float, default=0.1,
                    help="seconds to wait after a first failure for others that come with it, so they share one recovery")
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py [args] (or -m module [args])")
@@ -217,8 +279,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for name in ("settle", "stop_grace"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0 seconds.")
-    if args.monitor_interval <= 0:
-        p.error("--monitor-interval must be > 0 seconds.")
+    for name in ("monitor_interval", "node_timeout"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0 seconds.")
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} is outside [0, {args.nnodes}).")
     return args

@@ -9,6 +9,9 @@ Keys (all under ``lightning_dlrover/<launch>/``, ``<launch>`` counting the launc
   ``ready/<g>/<rank>``: the replacement is connecting generation ``g``; ``rank/<r>``: ``host:pid`` holding ``r``.
 - ``generation``: the newest communicator generation; ``plan/<g>``: the :class:`Plan` that starts
   generation ``g`` (JSON), written by the launcher that saw the loss.
+- ``node/<n>/beats``: machine ``n``'s launcher's heartbeat counter; ``node/<n>/ranks``: the ranks it holds
+  (JSON); ``node/<n>/done``: its ranks finished. The launcher on machine 0 (the store's host) declares a
+  machine lost when its counter stops and replaces its ranks with its own spares.
 
 Survivors that see a collective fail wait for ``plan/<g + 1>``; a spare waits for its ``assign/<i>``; both
 then build generation ``g + 1`` of the world group (:mod:`lightning_dlrover.fault.process_group`).
@@ -204,3 +207,34 @@ def report_restored(store: Store, launch: int, generation: int) -> None:
 def restored_ranks(store: Store, launch: int, generation: int) -> int:
     """How many ranks finished the recovery that started ``generation``."""
     return int(store.add(PREFIX + f"{launch}/restored/{generation}", 0))
+
+
+# ------------------------------------------------------------------------------------------ machines
+def heartbeat(store: Store, launch: int, node: int) -> int:
+    """Machine ``node``'s launcher is alive; returns its beat count (counters need no synchronised clocks)."""
+    return int(store.add(PREFIX + f"{launch}/node/{node}/beats", 1))
+
+
+def beats(store: Store, launch: int, node: int) -> int:
+    """How often machine ``node``'s launcher has beaten (0: not started yet)."""
+    return int(store.add(PREFIX + f"{launch}/node/{node}/beats", 0))
+
+
+def publish_node_ranks(store: Store, launch: int, node: int, ranks: list[int]) -> None:
+    """The ranks machine ``node``'s launcher holds now."""
+    _set(store, f"{launch}/node/{node}/ranks", sorted(ranks))
+
+
+def node_ranks(store: Store, launch: int, node: int) -> list[int]:
+    """The ranks machine ``node`` held when it last said (``[]`` if it never did)."""
+    key = f"{launch}/node/{node}/ranks"
+    return json.loads(_get(store, key)) if store.check([PREFIX + key]) else []
+
+
+def mark_done(store: Store, launch: int, node: int) -> None:
+    """Machine ``node``'s ranks all finished: its silence from now on is not a loss."""
+    _set(store, f"{launch}/node/{node}/done", "1")
+
+
+def is_done(store: Store, launch: int, node: int) -> bool:
+    return store.check([PREFIX + f"{launch}/node/{node}/done"])

@@ -4,14 +4,19 @@ same job run without a fault. A user's own model (tests/scripts/user_model.py: D
 tables, Adam and SGD with momentum, an LR schedule, a StatefulDataLoader) on 2 ranks with k=1, r=1.
 """
 
+import contextlib
 import json
+import os
 import re
+import signal
 import socket
+import sys
 
 import pytest
 
+from lightning_dlrover.fault.injector import FAULT_ENV
 from lightning_dlrover.monitor.events import read_events
-from tests.conftest import REPO, run
+from tests.conftest import REPO, run, start
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(REPO / "tests" / "scripts" / "user_model.py")
@@ -109,3 +114,40 @@ def test_two_ranks_lost_together_at_r2_are_replaced_in_one_recovery(tmp_path):
     assert_recovered_in_process(events, digest, reference, step=5)
     recovered = {e.rank: e.fields["survivor"] for e in events if e.kind == "recovered_in_process"}
     assert recovered == {0: True, 1: False, 2: False}
+
+
+def two_machines(tmp_path, name: str, fault: str | None = None) -> tuple[str, list, int]:
+    """Runs the user model under two launchers (machines) with one rank and one hot spare each, ``fault`` set on
+    machine 1 only; returns (digest, events, machine 1's exit code)."""
+    workdir = tmp_path / name
+    workdir.mkdir()
+    events = workdir / "events.jsonl"
+    env = {"LIGHTNING_DLROVER_EVENTS": str(events), "LIGHTNING_DLROVER_PLAN_TIMEOUT": "20"}
+    launcher = [sys.executable, "-m", "lightning_dlrover", "launch", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master", f"127.0.0.1:{free_port()}", "--run-id", name, "--spares", "1"]
+    program = ["--", SCRIPT, "--steps", "12", "--root", str(workdir)]
+    machine0 = start([*launcher, "--node-rank", "0", *program], workdir, env)
+    machine1 = start([*launcher, "--node-rank", "1", *program], workdir, {**env, **({FAULT_ENV: fault} if fault else {})})
+    try:
+        out, _ = machine0.communicate(timeout=400)
+        assert machine0.returncode == 0, out[-4000:]
+        code = machine1.wait(timeout=60)
+    finally:
+        for proc in (machine0, machine1):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return re.findall(r"state digest: ([0-9a-f]{64})", out)[-1], read_events([events]), code
+
+
+def test_a_machine_lost_with_its_launcher_is_replaced_by_machine_0(tmp_path):
+    """Machine 1 dies whole (its launcher, rank and spare, as ``target=node`` does); machine 0's launcher notices
+    the silent heartbeat and replaces rank 1 with its own hot spare."""
+    reference, _, code = two_machines(tmp_path, "reference")  # one rank per machine shards differently
+    assert code == 0
+    digest, events, code = two_machines(tmp_path, "lost", fault="step=5,phase=before_forward,target=node")
+    assert code == -signal.SIGKILL  # the whole machine went down
+    lost = next(e for e in events if e.kind == "node_lost")
+    assert lost.fields["node"] == 1 and lost.fields["ranks"] == [1]
+    planned = next(e for e in events if e.kind == "replacement_planned")
+    assert planned.fields["lost_ranks"] == [1] and planned.fields["cold"] == []  # machine 0's hot spare
+    assert_recovered_in_process(events, digest, reference, step=5)
