@@ -96,3 +96,12 @@ def pytest_sessionfinish(session, exitstatus):
     stuck = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     if stuck:  # these would keep the interpreter alive after the summary
         print(f"\nnon-daemon threads still alive at the end of the session: {stuck}", file=sys.stderr)
+
+
+def exit_rank() -> None:
+    """Ends a spawned test rank at once once its work is done: a C++ static destructor sometimes hangs or aborts
+    a finished torch process at exit (see ``lightning_dlrover/strategy/process_exit.py``), and a rank that never
+    exits hangs its test."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

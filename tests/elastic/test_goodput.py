@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_dlrover.elastic.goodput import GoodputModel, GradientNoiseProbe, NoiseScaleEstimator, StepTimeModel
-from tests.conftest import reap
+from tests.conftest import exit_rank, reap
 
 
 def test_estimator_recovers_known_noise_scale():
@@ -51,6 +51,9 @@ def _worker(rank, world, path, out):
     if rank == 0:
         out.put((phi, float(mean_local_sqr) / world, float(local.pow(2).sum()), bool(torch.allclose(hooked, local))))
     dist.destroy_process_group()
+    out.close()
+    out.join_thread()  # the result is in the pipe
+    exit_rank()
 
 
 @pytest.mark.slow  # two spawned ranks import the package: ~30 s on a busy 2-core machine
@@ -63,7 +66,7 @@ def test_probe_in_a_real_two_rank_ddp_job(tmp_path):
     try:
         phi, local_sqr, global_sqr, same_grads = out.get(timeout=400)
         for p in procs:
-            p.join(180)  # destroy_process_group and interpreter exit: slow on a busy 2-core machine
+            p.join(120)
             assert p.exitcode == 0
     finally:
         reap(procs)

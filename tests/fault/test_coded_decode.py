@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from lightning_dlrover.fault.decode import Combination, Term, combine, cut, intersect, subtract
 from lightning_dlrover.fault.messages import Mailbox
 from lightning_dlrover.parity import gf256
+from tests.conftest import exit_rank
 
 
 def test_span_arithmetic():
@@ -44,6 +45,7 @@ def _worker(rank: int, path: str) -> None:
         _check(rank, block)
     _check_mailbox(rank)
     dist.destroy_process_group()
+    exit_rank()
 
 
 def _message(src: int, dst: int, length: int) -> torch.Tensor:
