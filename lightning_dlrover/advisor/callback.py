@@ -1,8 +1,8 @@
 """``ResourceAdvisor``: the DLRover-RM three-stage resource advisor as a Lightning callback.
 
 1. Warm start (first batch, before its forward): similar past jobs of the job history give a configuration.
-2. Profiling window: the job tries a few configurations live (threads; data workers and batch where a control
-   callback exists), the model is fitted on those and the history's measurements, and the best configuration
+2. Profiling window: the job tries a few configurations live (threads; data workers and batch where something
+   owns them, :mod:`~lightning_dlrover.advisor.live`), the model is fitted on those and the history's measurements, and the best configuration
    is recommended, applied live where allowed, and the rest printed as a restart command.
 3. Every ``check_every_n_steps``: stragglers, out-of-memory forecasts, hot ranks.
 At the end of fit: a table and a PNG under ``<default_root_dir>/advisor/``, and the job's record in the history.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import sys
 import time
 import uuid
@@ -67,7 +68,8 @@ class ResourceAdvisor(Callback):
         profile_steps: length of the profiling window in steps (0: no probing; warm start and detectors only).
         probe_steps: steps per configuration tried in the window; the first ``settle_steps`` are not measured.
         settle_steps: steps left out after each change (loader restart, thread pool resize).
-        apply: apply the recommendation's live knobs (threads; data workers, batch through control callbacks).
+        apply: apply the recommendation's live knobs: threads; data workers and batch through their owners
+            (``PipelineTuner``, ``ElasticBatchScaler`` or control callbacks; see :mod:`~lightning_dlrover.advisor.live`).
         objective: ``throughput`` (most samples/s) or ``cost`` (cheapest reaching ``target_samples_per_sec``).
         target_samples_per_sec: throughput target of the ``cost`` objective.
         search: the configurations allowed (a :class:`SearchSpace` or its fields as a dict); default: this node's
@@ -286,12 +288,18 @@ class ResourceAdvisor(Callback):
             self.model = PerformanceModel(prior=self.prior).fit(self.observations + self._history_observations)
             self.recommendation = recommend(
                 self.model, self.shape, self.machine, self.current, self.space, self.objective, self.target,
-                *self.costs, extrapolate=self.extrapolate, available_cores=self.machine.cores - self.background)
+                *self.costs, extrapolate=self.extrapolate, available_cores=self._typical_free_cores())
             target = self.recommendation.best.config
             self._replan(trainer)
         target = broadcast(trainer.world_size, target)
         self.recommended_at = (step, time.time() - self._start_time)
         self._act(trainer, target, "profile")
+
+    def _typical_free_cores(self) -> float:
+        """Cores per node the job can expect for the rest of the fit: the median over the window's probes (one
+        probe's fraction of a second says little about the next minutes on a shared machine)."""
+        own = [o.cores for o in self.observations]
+        return statistics.median(own) if own else self.machine.cores - self.background
 
     def _act(self, trainer: Trainer, target: ResourceConfig, stage: str) -> None:
         """Applies ``target``'s live knobs (if ``apply``), prints what needs a restart, records an event."""

@@ -112,8 +112,10 @@ def write_reports(out: Path, model: PerformanceModel, shape: JobShape, cores: in
     png = plot(out / "advisor_model.png", model, shape, cores, measured, recommendation, title)
     r = recommendation
     advice = {"current": r.current.config.to_dict(), "recommended": r.best.config.to_dict(),
-              "predicted_samples_per_sec": {"current": r.current.samples_per_sec, "recommended": r.best.samples_per_sec},
-              "gain": r.gain, "reason": r.reason, "restart": restart, "model": model.to_dict(), "findings": list(findings),
+              "predicted_samples_per_sec": {"current": r.current.samples_per_sec,
+                                            "recommended": r.best.samples_per_sec},
+              "gain": r.gain, "reason": r.reason, "restart": restart, "model": model.to_dict(),
+              "findings": list(findings),
               "plot": str(png), "recommended_at_step": recommended_at[0] if recommended_at else None,
               "recommended_after_s": recommended_at[1] if recommended_at else None,
               "replan": None if replan is None else {

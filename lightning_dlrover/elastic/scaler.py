@@ -31,8 +31,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_dlrover.elastic.batch import (LR_RULES, POLICIES, BatchDecision, BatchRange, LRRule, Policy, _nearest, decide,
-                                             learning_rates, lr_factor)
+from lightning_dlrover.elastic.batch import (LR_RULES, POLICIES, BatchDecision, BatchRange, LRRule, Policy, _nearest,
+                                             decide, learning_rates, lr_factor)
 from lightning_dlrover.elastic.goodput import GoodputModel, GradientNoiseProbe, NoiseScaleEstimator
 from lightning_dlrover.monitor.events import emit
 
@@ -189,7 +189,8 @@ class ElasticBatchScaler(Callback):
         """The global batch the job trains with now (0 before the fit starts)."""
         return self._global_batch
 
-    def set_global_batch(self, trainer: pl.Trainer, global_batch: int, reason: str = "requested") -> BatchDecision | None:
+    def set_global_batch(self, trainer: pl.Trainer, global_batch: int,
+                         reason: str = "requested") -> BatchDecision | None:
         """Switches to the feasible global batch of the range nearest ``global_batch`` (e.g. the resource advisor's),
         rescaling the learning rates by the LR rule; call on every rank at the same step. Returns the decision,
         ``None`` if the batch stays."""

@@ -94,7 +94,7 @@ class PipelineTuner(Callback):
         """Gives each rank's pipeline ``cpus`` workers in all (e.g. from the resource advisor): the tuner starts
         again from the configuration in use, shrunk to the new budget if needed, and tunes within it."""
         if int(cpus) < 1:
-            raise ValueError(f"PipelineTuner.set_budget(cpus={cpus}): a pipeline needs at least 1 worker in its budget.")
+            raise ValueError(f"PipelineTuner.set_budget(cpus={cpus}): give at least 1 worker (the pipeline's budget).")
         self.cpus = int(cpus)
         if self.driver is None:  # not training yet: on_train_start uses self.cpus
             return

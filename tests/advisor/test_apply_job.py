@@ -63,7 +63,8 @@ def test_advisor_applies_threads_workers_and_batch_through_their_owners(tmp_path
             ("batch_per_rank", 256, 128, "ElasticBatchScaler.set_global_batch"))}
     # Each change seen in the job's own steps on both ranks: threads in use, 128 samples per step, one worker.
     seen = {(e.rank, e["knob"]): e for e in events if e.kind == "advice_in_effect"}
-    assert set(seen) == {(r, k) for r in (0, 1) for k in ("threads_per_rank", "data_workers", "batch_per_rank")}, out[-4000:]
+    knobs = ("threads_per_rank", "data_workers", "batch_per_rank")
+    assert set(seen) == {(r, k) for r in (0, 1) for k in knobs}, out[-4000:]
     assert all(e["applied_step"] == 12 and 0 <= e["steps"] <= 5 for e in seen.values()), seen
     # The scaler owned the batch: the global batch went 512 -> 256 and the learning rates by its sqrt rule.
     final = [e for e in events if e.kind == "batch_rescaled"][-1]
@@ -75,4 +76,5 @@ def test_advisor_applies_threads_workers_and_batch_through_their_owners(tmp_path
     assert all(sum(int(part[1:]) for part in e["config"].split()[:4]) <= 1 for e in tuned), tuned  # "r0 p1 t0 a0 q2"
     [digest] = [e for e in events if e.kind == "digest" and e["final"]]
     assert digest.step == 18 and digest["digest"] == digests(out)["end"]
-    assert json.loads((tmp_path / "run" / "advisor" / "advice.json").read_text())["recommended"]["batch_per_rank"] == 128
+    advice_file = json.loads((tmp_path / "run" / "advisor" / "advice.json").read_text())
+    assert advice_file["recommended"]["batch_per_rank"] == 128
