@@ -114,16 +114,13 @@ def live_controls(trainer: Any) -> list[Any]:
     ``ElasticBatchScaler``."""
     callbacks = list(trainer.callbacks)
     out = [c for c in callbacks if isinstance(c, (control.DataWorkersControl, control.BatchSizeControl))]
-    from lightning_dlrover.data.pipeline import PipelinedLoader
     from lightning_dlrover.elastic.scaler import ElasticBatchScaler
-    from lightning_dlrover.pipeline.callback import PipelineTuner
+    from lightning_dlrover.pipeline.callback import PipelineTuner, find_pipelined_loader
 
-    loader = None
-    for candidate in (getattr(trainer, "train_dataloader", None), getattr(trainer.datamodule, "_train_loader", None)
-                      if getattr(trainer, "datamodule", None) is not None else None):
-        for inner in (candidate, getattr(candidate, "iterables", None)):
-            if isinstance(inner, PipelinedLoader):
-                loader = loader or inner
+    try:
+        loader = find_pipelined_loader(trainer)
+    except ValueError:  # not the TSV pipeline
+        loader = None
     tuner = next((c for c in callbacks if isinstance(c, PipelineTuner)), None)
     if tuner is not None and loader is not None and getattr(tuner, "driver", None) is not None:
         out.append(TunerWorkers(tuner, loader))
