@@ -5,9 +5,10 @@ learning rates by its rule) change while training, each change is an event and i
 import json
 
 import pytest
+import torch
 import yaml
 
-from lightning_dlrover.advisor.live import with_workers
+from lightning_dlrover.advisor.live import LiveApplier, with_workers
 from lightning_dlrover.data.generate import GeneratorConfig, generate_days
 from lightning_dlrover.data.pipeline import PipelineConfig
 from lightning_dlrover.monitor import read_events
@@ -22,6 +23,23 @@ def test_with_workers_keeps_the_heavy_stages_out_of_the_trainer_longest():
     assert with_workers(PipelineConfig(0, 0, 0, 0, 0), 2) == PipelineConfig(0, 1, 1, 0, 1)
     with pytest.raises(ValueError, match="0 or more"):
         with_workers(start, -1)
+
+
+def test_live_applier_records_a_thread_change_and_sees_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_DLROVER_EVENTS", str(tmp_path / "events.jsonl"))
+    before = torch.get_num_threads()
+    target = 1 if before != 1 else 2
+    applier = LiveApplier([])
+    try:
+        assert applier.apply({"threads_per_rank": target}, step=3, stage="profile") == {"threads_per_rank": target}
+        applier.check(step=4, samples=None)
+    finally:
+        torch.set_num_threads(before)
+    applied, seen = read_events([tmp_path / "events.jsonl"])
+    assert (applied.kind, applied["old"], applied["new"], applied["via"]) == ("advice_applied", before, target,
+                                                                               "torch.set_num_threads")
+    assert (seen.kind, seen["value"], seen["applied_step"], seen["steps"]) == ("advice_in_effect", target, 3, 1)
+    assert applier.pending == []
 
 
 @pytest.mark.slow
