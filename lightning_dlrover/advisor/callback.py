@@ -73,7 +73,8 @@ class ResourceAdvisor(Callback):
         objective: ``throughput`` (most samples/s) or ``cost`` (cheapest reaching ``target_samples_per_sec``).
         target_samples_per_sec: throughput target of the ``cost`` objective.
         search: the configurations allowed (a :class:`SearchSpace` or its fields as a dict); default: this node's
-            ranks and threads, data workers 0-2 when a data control exists, the current batch.
+            ranks and threads, data workers 0-2 (1-2 with a ``PipelineTuner``) when something owns them, the current
+            batch and, with an ``ElasticBatchScaler``, half and twice it within the scaler's range.
         history: job history: ``"user"`` (user-wide SQLite), ``"run"`` (under ``default_root_dir``), a file path
             or an SQLAlchemy URL; ``None``: none.
         warm_start: start from the configuration similar past jobs suggest.
