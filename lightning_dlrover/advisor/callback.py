@@ -1,8 +1,8 @@
 """``ResourceAdvisor``: the DLRover-RM three-stage resource advisor as a Lightning callback.
 
 1. Warm start (first batch, before its forward): similar past jobs of the job history give a configuration.
-2. Profiling window: the job tries a few configurations live (threads; data workers and batch where a control
-   callback exists), the model is fitted on those and the history's measurements, and the best configuration
+2. Profiling window: the job tries a few configurations live (threads; data workers and batch where something
+   owns them, :mod:`~lightning_dlrover.advisor.live`), the model is fitted on those and the history's measurements, and the best configuration
    is recommended, applied live where allowed, and the rest printed as a restart command.
 3. Every ``check_every_n_steps``: stragglers, out-of-memory forecasts, hot ranks.
 At the end of fit: a table and a PNG under ``<default_root_dir>/advisor/``, and the job's record in the history.
@@ -11,8 +11,8 @@ At the end of fit: a table and a PNG under ``<default_root_dir>/advisor/``, and 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+import statistics
 import sys
 import time
 import uuid
@@ -26,11 +26,12 @@ from typing_extensions import override
 
 from lightning_dlrover.advisor import control
 from lightning_dlrover.advisor.detectors import OOMForecaster, StragglerDetector
+from lightning_dlrover.advisor.live import LiveApplier, live_controls
 from lightning_dlrover.advisor.model import Observation, PerformanceModel
 from lightning_dlrover.advisor.probe import Segment, probe_schedule
 from lightning_dlrover.advisor.recommend import Recommendation, recommend
 from lightning_dlrover.advisor.replan import ReplanAdvice, rank_loads, strategy_placement, table_features
-from lightning_dlrover.advisor.report import plot, summary_table
+from lightning_dlrover.advisor.report import write_reports
 from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
 from lightning_dlrover.advisor.restart import RestartDecision, RestartMode, decide_restart, program_argv
 from lightning_dlrover.advisor.runtime import RuntimeWatch, background_cores, broadcast, cpu_snapshot, gather
@@ -67,11 +68,13 @@ class ResourceAdvisor(Callback):
         profile_steps: length of the profiling window in steps (0: no probing; warm start and detectors only).
         probe_steps: steps per configuration tried in the window; the first ``settle_steps`` are not measured.
         settle_steps: steps left out after each change (loader restart, thread pool resize).
-        apply: apply the recommendation's live knobs (threads; data workers, batch through control callbacks).
+        apply: apply the recommendation's live knobs: threads; data workers and batch through their owners
+            (``PipelineTuner``, ``ElasticBatchScaler`` or control callbacks; see :mod:`~lightning_dlrover.advisor.live`).
         objective: ``throughput`` (most samples/s) or ``cost`` (cheapest reaching ``target_samples_per_sec``).
         target_samples_per_sec: throughput target of the ``cost`` objective.
         search: the configurations allowed (a :class:`SearchSpace` or its fields as a dict); default: this node's
-            ranks and threads, data workers 0-2 when a data control exists, the current batch.
+            ranks and threads, data workers 0-2 (1-2 with a ``PipelineTuner``) when something owns them, the current
+            batch and, with an ``ElasticBatchScaler``, half and twice it within the scaler's range.
         history: job history: ``"user"`` (user-wide SQLite), ``"run"`` (under ``default_root_dir``), a file path
             or an SQLAlchemy URL; ``None``: none.
         warm_start: start from the configuration similar past jobs suggest.
@@ -167,16 +170,18 @@ class ResourceAdvisor(Callback):
         """First batch: the current configuration, signature, history record and warm start."""
         self._started = True
         g = trainer.num_devices
-        callbacks = trainer.callbacks
-        batch_ctl = control.find_control(callbacks, control.BatchSizeControl)
-        data_ctl = control.find_control(callbacks, control.DataWorkersControl)
+        self.controls = live_controls(trainer)
+        self.applier = LiveApplier(self.controls)
+        batch_ctl = control.find_control(self.controls, control.BatchSizeControl)
+        data_ctl = control.find_control(self.controls, control.DataWorkersControl)
         loader = trainer.train_dataloader
         workers = data_ctl.get_data_workers() if data_ctl else int(getattr(loader, "num_workers", 0) or 0)
         batch_size = batch_ctl.get_batch_per_rank() if batch_ctl else (_infer_batch_size(batch) or 1)
         self.current = ResourceConfig(trainer.world_size // g, g, torch.get_num_threads(), workers, batch_size)
         self.space = self.search or SearchSpace(
             nodes=(self.current.nodes, self.current.nodes),
-            data_workers=(0, 1, 2) if data_ctl else (workers,),
+            data_workers=tuple(range(getattr(data_ctl, "min_workers", 0), 3)) if data_ctl else (workers,),
+            batch_per_rank=batch_ctl.choices() if hasattr(batch_ctl, "choices") else None,
         )
         strategy = trainer.strategy
         self.placement = strategy_placement(strategy)
@@ -240,6 +245,7 @@ class ResourceAdvisor(Callback):
         data = record.sections.get("data_wait", 0.0)
         self.watch.add_step(step, record.seconds, data, record.busy_seconds, float(record.rss_bytes),
                             record.data_busy_seconds)
+        self.applier.check(step, record.samples)
         self._profile_step(trainer, record.seconds, data, float(record.rss_bytes), step)
         if step % self.check_every == 0:
             self.watch.check(trainer.global_rank, trainer.num_devices, trainer.world_size, step)
@@ -270,11 +276,11 @@ class ResourceAdvisor(Callback):
         done = len(self._segments)
         if done < len(self._schedule):
             nxt = self._schedule[done]
-            control.apply_live(control.live_changes(segment.config, nxt, trainer.callbacks), trainer.callbacks)
+            control.apply_live(control.live_changes(segment.config, nxt, self.controls), self.controls)
             self._segments.append(Segment(nxt, step + 1))
         else:
             self._schedule = []
-            control.apply_live(control.live_changes(segment.config, self.current, trainer.callbacks), trainer.callbacks)
+            control.apply_live(control.live_changes(segment.config, self.current, self.controls), self.controls)
             self._fit_and_recommend(trainer, step)
 
     def _fit_and_recommend(self, trainer: Trainer, step: int) -> None:
@@ -283,12 +289,18 @@ class ResourceAdvisor(Callback):
             self.model = PerformanceModel(prior=self.prior).fit(self.observations + self._history_observations)
             self.recommendation = recommend(
                 self.model, self.shape, self.machine, self.current, self.space, self.objective, self.target,
-                *self.costs, extrapolate=self.extrapolate, available_cores=self.machine.cores - self.background)
+                *self.costs, extrapolate=self.extrapolate, available_cores=self._typical_free_cores())
             target = self.recommendation.best.config
             self._replan(trainer)
         target = broadcast(trainer.world_size, target)
         self.recommended_at = (step, time.time() - self._start_time)
         self._act(trainer, target, "profile")
+
+    def _typical_free_cores(self) -> float:
+        """Cores per node the job can expect for the rest of the fit: the median over the window's probes (one
+        probe's fraction of a second says little about the next minutes on a shared machine)."""
+        own = [o.cores for o in self.observations]
+        return statistics.median(own) if own else self.machine.cores - self.background
 
     def _act(self, trainer: Trainer, target: ResourceConfig, stage: str) -> None:
         """Applies ``target``'s live knobs (if ``apply``), prints what needs a restart, records an event."""
@@ -296,14 +308,14 @@ class ResourceAdvisor(Callback):
             if trainer.is_global_zero:
                 print(f"ResourceAdvisor ({stage}): keep {target.short()}", flush=True)
             return
-        live = control.live_changes(self.current, target, trainer.callbacks)
+        live = control.live_changes(self.current, target, self.controls)
+        applied = {}
         if self.apply and live:
-            control.apply_live(live, trainer.callbacks)
-            self.current = self.current.with_(**live)
+            applied = self.applier.apply(live, trainer.global_step, stage)
+            self.current = self.current.with_(**applied)
         restart = self._restart_decision(trainer, target)
         if trainer.is_global_zero:
             gain = self.recommendation.gain if stage == "profile" and self.recommendation else None
-            applied = live if self.apply else {}
             print(f"ResourceAdvisor ({stage}): recommend {target.short()}"
                   + (f" ({gain:.2f}x predicted)" if gain else "")
                   + (f"; applied live: {applied}" if applied else "; live knobs not applied (apply=False)" if live else ""),
@@ -324,11 +336,11 @@ class ResourceAdvisor(Callback):
         from lightning_dlrover.fault.launcher import node_range
 
         checkpoint = None
-        if self.restart_mode == "stop" and control.needs_restart(self.current, target, trainer.callbacks):
+        if self.restart_mode == "stop" and control.needs_restart(self.current, target, self.controls):
             out = Path(self.report_dir or Path(trainer.default_root_dir) / "advisor")
             checkpoint = str((out / f"restart-step={trainer.global_step}.ckpt").resolve())
             trainer.save_checkpoint(checkpoint)
-        self.restart = decide_restart(self.current, target, trainer.callbacks, program_argv(), self.restart_mode,
+        self.restart = decide_restart(self.current, target, self.controls, program_argv(), self.restart_mode,
                                       checkpoint, node_range())
         return self.restart
 
@@ -382,26 +394,6 @@ class ResourceAdvisor(Callback):
 
     def _write_reports(self, trainer: Trainer) -> None:
         out = Path(self.report_dir or Path(trainer.default_root_dir) / "advisor")
-        out.mkdir(parents=True, exist_ok=True)
-        own = self.observations
-        table = summary_table(self.model, self.shape, self.machine.cores, own, self.recommendation, self.findings,
-                              self._restart_text)
-        if self.replan_advice is not None and self.replan_advice.worthwhile:
-            table += "\n" + self.replan_advice.constraints_yaml()
-        print(table, flush=True)
-        (out / "advisor_report.txt").write_text(table + "\n")
-        png = plot(out / "advisor_model.png", self.model, self.shape, self.machine.cores, own, self.recommendation,
-                   f"ResourceAdvisor: {self.signature.model}, {len(self.signature.tables)} tables, {self.machine.cores} cores")
-        r = self.recommendation
-        advice = {"current": r.current.config.to_dict(), "recommended": r.best.config.to_dict(),
-                  "predicted_samples_per_sec": {"current": r.current.samples_per_sec, "recommended": r.best.samples_per_sec},
-                  "gain": r.gain, "reason": r.reason, "restart": self._restart_text,
-                  "model": self.model.to_dict(), "findings": self.findings, "plot": str(png),
-                  "recommended_at_step": self.recommended_at[0] if self.recommended_at else None,
-                  "recommended_after_s": self.recommended_at[1] if self.recommended_at else None,
-                  "replan": None if self.replan_advice is None else {
-                      "imbalance_before": self.replan_advice.imbalance_before,
-                      "imbalance_after": self.replan_advice.imbalance_after,
-                      "pooling_factors": self.replan_advice.pooling_factors}}
-        (out / "advice.json").write_text(json.dumps(advice, indent=2))
-
+        title = f"ResourceAdvisor: {self.signature.model}, {len(self.signature.tables)} tables, {self.machine.cores} cores"
+        write_reports(out, self.model, self.shape, self.machine.cores, self.observations, self.recommendation,
+                      self.findings, self._restart_text, self.replan_advice, self.recommended_at, title)

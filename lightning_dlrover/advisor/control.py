@@ -3,10 +3,13 @@
 Live knobs:
 
 - threads per rank: ``torch.set_num_threads`` on every rank;
-- data workers per rank: through a callback implementing :class:`DataWorkersControl` (the data pipeline
-  tuner's), if the trainer has one;
-- per-rank batch: through a callback implementing :class:`BatchSizeControl` (the elastic batch scaler's,
-  which also keeps the learning rate consistent), if the trainer has one.
+- data workers per rank: through an object implementing :class:`DataWorkersControl` (a callback of the user's,
+  or :mod:`~lightning_dlrover.advisor.live`'s adapter over the ``PipelineTuner`` / ``PipelinedLoader``);
+- per-rank batch: through an object implementing :class:`BatchSizeControl` (a callback of the user's, or the
+  adapter over the ``ElasticBatchScaler``, which also keeps the learning rates consistent).
+
+The ``callbacks`` arguments below are any such objects (the advisor passes
+:func:`~lightning_dlrover.advisor.live.live_controls`).
 
 World size and nodes need a restart: :func:`restart_instructions` writes the ``torchrun`` command, the
 config change and the Kubernetes replica change.

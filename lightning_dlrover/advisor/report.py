@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning_dlrover.advisor.model import JobShape, Observation, PerformanceModel
 from lightning_dlrover.advisor.recommend import Recommendation
@@ -94,3 +96,30 @@ def plot(path: str | Path, model: PerformanceModel, shape: JobShape, cores: int,
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def write_reports(out: Path, model: PerformanceModel, shape: JobShape, cores: int, measured: Sequence[Observation],
+                  recommendation: Recommendation, findings: Sequence[str], restart: str, replan: Any,
+                  recommended_at: tuple[int, float] | None, title: str) -> Path:
+    """Prints the :func:`summary_table` and writes it, the :func:`plot` and ``advice.json`` (the recommendation,
+    model, findings and re-plan) under ``out``; returns ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    table = summary_table(model, shape, cores, measured, recommendation, findings, restart)
+    if replan is not None and replan.worthwhile:
+        table += "\n" + replan.constraints_yaml()
+    print(table, flush=True)
+    (out / "advisor_report.txt").write_text(table + "\n")
+    png = plot(out / "advisor_model.png", model, shape, cores, measured, recommendation, title)
+    r = recommendation
+    advice = {"current": r.current.config.to_dict(), "recommended": r.best.config.to_dict(),
+              "predicted_samples_per_sec": {"current": r.current.samples_per_sec,
+                                            "recommended": r.best.samples_per_sec},
+              "gain": r.gain, "reason": r.reason, "restart": restart, "model": model.to_dict(),
+              "findings": list(findings),
+              "plot": str(png), "recommended_at_step": recommended_at[0] if recommended_at else None,
+              "recommended_after_s": recommended_at[1] if recommended_at else None,
+              "replan": None if replan is None else {
+                  "imbalance_before": replan.imbalance_before, "imbalance_after": replan.imbalance_after,
+                  "pooling_factors": replan.pooling_factors}}
+    (out / "advice.json").write_text(json.dumps(advice, indent=2))
+    return out

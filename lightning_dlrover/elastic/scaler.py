@@ -6,7 +6,8 @@ shrank, grew or replaced a rank (from a checkpoint or through the fault manager'
 trainer state carries the callback's) gets a new batch from its policy and rescaled learning rates. With the
 ``goodput`` policy it also measures the gradient noise scale and step times while training, and every
 ``check_every_n_steps`` steps switches to the batch of highest predicted goodput when the gain is above
-``min_gain``. :meth:`request` (e.g. from the resource advisor) makes it decide again at the next check.
+``min_gain``. :meth:`request` (e.g. from the resource advisor) makes it decide again at the next check;
+:meth:`set_global_batch` switches to a given batch of the range at once (the resource advisor's ``apply=True``).
 
 A change takes effect at the next batch the loader produces: the loader counts its position in samples, so no
 sample is lost or repeated (see :class:`~lightning_dlrover.data.ResumableLoader`). Each change is recorded
@@ -30,7 +31,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_dlrover.elastic.batch import LR_RULES, POLICIES, BatchRange, LRRule, Policy, decide, learning_rates
+from lightning_dlrover.elastic.batch import (LR_RULES, POLICIES, BatchDecision, BatchRange, LRRule, Policy, _nearest,
+                                             decide, learning_rates, lr_factor)
 from lightning_dlrover.elastic.goodput import GoodputModel, GradientNoiseProbe, NoiseScaleEstimator
 from lightning_dlrover.monitor.events import emit
 
@@ -180,6 +182,31 @@ class ElasticBatchScaler(Callback):
                 return
         if decision.global_batch == old_batch and world == old_world:
             return
+        self._switch(trainer, decision, reason, gain)
+
+    @property
+    def global_batch(self) -> int:
+        """The global batch the job trains with now (0 before the fit starts)."""
+        return self._global_batch
+
+    def set_global_batch(self, trainer: pl.Trainer, global_batch: int,
+                         reason: str = "requested") -> BatchDecision | None:
+        """Switches to the feasible global batch of the range nearest ``global_batch`` (e.g. the resource advisor's),
+        rescaling the learning rates by the LR rule; call on every rank at the same step. Returns the decision,
+        ``None`` if the batch stays."""
+        world, old_batch = trainer.world_size, self._global_batch
+        batch = _nearest(self.range.check(world), global_batch)
+        if batch == old_batch:
+            return None
+        noise = self.goodput.noise_scale if self.goodput else None
+        rule = self.lr_rule if self.lr_rule != "adascale" or noise is not None else "sqrt"
+        decision = BatchDecision(batch, batch // world, lr_factor(rule, old_batch, batch, noise), self.policy, rule)
+        self._switch(trainer, decision, reason, None)
+        return decision
+
+    def _switch(self, trainer: pl.Trainer, decision: BatchDecision, reason: str, gain: float | None) -> None:
+        world, old_world, old_batch = trainer.world_size, self._world_size, self._global_batch
+        noise = self.goodput.noise_scale if self.goodput else None
         optimizers = _optimizers(trainer)
         from lightning_dlrover.elastic.batch import scale_learning_rates
 
@@ -187,7 +214,7 @@ class ElasticBatchScaler(Callback):
         self._lrs = learning_rates(optimizers)
         _train_loader(trainer).global_batch_size = decision.global_batch
         self._global_batch, self._world_size = decision.global_batch, world
-        record = {"reason": reason, "policy": self.policy, "rule": self.lr_rule, "old_world_size": old_world,
+        record = {"reason": reason, "policy": self.policy, "rule": decision.rule, "old_world_size": old_world,
                   "world_size": world, "old_global_batch": old_batch, "global_batch": decision.global_batch,
                   "per_rank_batch": decision.per_rank, "lr_factor": decision.lr_factor, "noise_scale": noise,
                   "predicted_gain": gain}
@@ -195,7 +222,7 @@ class ElasticBatchScaler(Callback):
         if trainer.is_global_zero:
             emit("batch_rescaled", step=trainer.global_step, **record,
                  message=f"global batch {old_batch} -> {decision.global_batch} on {world} ranks ({reason}); "
-                         f"learning rates x{decision.lr_factor:.3f} ({self.lr_rule})")
+                         f"learning rates x{decision.lr_factor:.3f} ({decision.rule})")
 
     @staticmethod
     def _agreed(decision: Any) -> Any:

@@ -48,6 +48,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "advice": ("stage", "current", "recommended", "predicted_gain", "applied", "restart", "elapsed_s"),
     "restart": ("how", "pending", "current", "recommended", "command", "config", "kubernetes", "launcher_honours",
                 "stop_nodes", "checkpoint"),
+    "advice_applied": ("stage", "knob", "old", "new", "via"),  # every rank, as it applies a live knob
+    "advice_in_effect": ("stage", "knob", "value", "applied_step", "steps"),  # the change measured in the job
     "straggler": ("straggler_rank", "cause", "ratio", "excess_ms", "since_step"),
     "oom_forecast": ("node", "rss_bytes", "limit_bytes", "growth_bytes_per_step", "steps_to_oom", "seconds_to_oom"),
     "hot_rank": ("hot_rank", "share", "ratio", "tables"),

@@ -21,10 +21,10 @@ from typing_extensions import override
 
 from lightning_dlrover.data.pipeline import PipelineConfig, PipelinedLoader
 from lightning_dlrover.monitor import emit
-from lightning_dlrover.pipeline.agent import Decision, RLTuner
+from lightning_dlrover.pipeline.agent import Decision, RLTuner, shrink
 from lightning_dlrover.pipeline.baselines import FixedTuner, HillClimbTuner
 from lightning_dlrover.pipeline.harness import Trace, TunerDriver
-from lightning_dlrover.pipeline.observe import Budget
+from lightning_dlrover.pipeline.observe import Budget, MemoryGuard
 from lightning_dlrover.pipeline.report import plot, summary
 
 
@@ -89,6 +89,27 @@ class PipelineTuner(Callback):
         self.driver = TunerDriver(loader, self.tuner, self.window_s, self.min_batches, on_decision=self._emit)
         rank_zero_info(f"PipelineTuner ({self.tuner_name}): budget {self.budget.cpus} workers and "
                        f"{self.budget.memory_bytes / 2**20:.0f} MiB per rank; starting at {loader.config.short()}")
+
+    def set_budget(self, cpus: int) -> None:
+        """Gives each rank's pipeline ``cpus`` workers in all (e.g. from the resource advisor): the tuner starts
+        again from the configuration in use, shrunk to the new budget if needed, and tunes within it."""
+        if int(cpus) < 1:
+            raise ValueError(f"PipelineTuner.set_budget(cpus={cpus}): give at least 1 worker (the pipeline's budget).")
+        self.cpus = int(cpus)
+        if self.driver is None:  # not training yet: on_train_start uses self.cpus
+            return
+        self.budget = dataclasses.replace(self.budget, cpus=int(cpus))
+        current = self.driver.loader.config
+        if self.tuner_name == "fixed":
+            guard = MemoryGuard(self.budget)
+            self.tuner = FixedTuner(current if guard.allows(current) else shrink(current, guard))
+        elif self.tuner_name == "rl":
+            self.tuner = RLTuner(self.budget, start=current, seed=self.seed)
+        else:
+            self.tuner = HillClimbTuner(self.budget)
+        self.driver.use_tuner(self.tuner)
+        rank_zero_info(f"PipelineTuner ({self.tuner_name}): budget now {self.budget.cpus} workers per rank; "
+                       f"from {current.short()} to {self.tuner.first().short()}")
 
     def _emit(self, decision: Decision) -> None:
         obs = decision.observed

@@ -92,6 +92,13 @@ class TunerDriver:
         self._samples0 = loader.stats.samples
         loader.reconfigure(tuner.first())
 
+    def use_tuner(self, tuner: Any) -> None:
+        """Continues with ``tuner`` (e.g. one given a new budget): its first configuration applies from the next
+        batches; the trace goes on."""
+        self.tuner = tuner
+        self.loader.reconfigure(tuner.first())
+        self._settle = self.settle_batches
+
     def after_batch(self) -> Decision | None:
         """Call after each batch the consumer took; returns the decision if a window closed."""
         if self._settle > 0:
