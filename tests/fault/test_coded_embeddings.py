@@ -9,19 +9,20 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    ("devices", "parity", "drill", "batch"),
-    [(3, "2,1", "0 1 2", "96"), (4, "2,2", "0,1 1,2 2,3 0,3 0,2 1,3", "64")],
+    ("devices", "parity", "drill", "batch", "compare"),
+    [(3, "2,1", "0 1 2", "96", True), (4, "2,2", "0,1 1,2 2,3 0,3 0,2 1,3", "64", False)],
 )
-def test_every_loss_pattern_decodes_exactly(tmp_path, devices, parity, drill, batch):
+def test_every_loss_pattern_decodes_exactly(tmp_path, devices, parity, drill, batch, compare):
     common = ["--devices", str(devices), "--batch", batch, "--steps", "10"]
-    plain = digests(train(tmp_path, *common).stdout)
     out = train(tmp_path, *common, "--parity", parity, "--drill-at", "5", "--drill", drill).stdout
     k, r = map(int, parity.split(","))
     assert f"DLRoverStrategy parity k={k} r={r}" in out
     for lost in drill.split():
         assert f"drill after_batch lost=[{lost.replace(',', ', ')}]: recovered state matches" in out
     assert "DIFFERS" not in out
-    assert digests(out)["end"] == plain["end"], "parity and recovery do not change training"
+    if compare:  # one world size is enough to show it (a job without parity costs a run)
+        plain = digests(train(tmp_path, *common).stdout)
+        assert digests(out)["end"] == plain["end"], "parity and recovery do not change training"
 
 
 def test_parity_needs_enough_ranks(tmp_path):
