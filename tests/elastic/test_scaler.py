@@ -44,3 +44,81 @@ def test_grow_keep_per_rank_rescales_batch_and_lr_and_loses_no_sample(tmp_path):
             seen.update(json.loads(line)["samples"])
     assert sum(seen.values()) == 4 * 64 + 4 * 96  # every step trained the global batch of its world size
     assert max(seen.values()) == 1  # no sample repeated across the batch change
+
+
+def _chaos_config(tmp_path, samples) -> tuple[str, dict]:
+    """The packaged chaos job (4 ranks, batch 480, parity k=1 r=1) with the scaler, per-step digests and a sample log."""
+    import yaml
+
+    from lightning_dlrover.cli.chaos import DEFAULT_CONFIG
+
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config["trainer"]["max_steps"] = 6
+    config["trainer"]["callbacks"] += [
+        {"class_path": "lightning_dlrover.StateDigest", "init_args": {"at_start": True, "every_n_steps": 1}},
+        {"class_path": "lightning_dlrover.ElasticBatchScaler",
+         "init_args": {"min_batch": 120, "max_batch": 960, "policy": "keep_per_rank", "lr_rule": "sqrt"}},
+        {"class_path": "tests.elastic.elastic_job.SampleLog", "init_args": {"path": str(samples)}},
+    ]
+    path = tmp_path / "scaled_chaos.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path), config
+
+
+def _trained_samples(samples, ranks: int) -> list[tuple[int, int, list[str]]]:
+    """``(step, world size, sample hashes)`` of every step the job kept: of a step tried more than once (the step
+    in flight when a node died), only the last attempt's batches."""
+    by_step: dict[int, dict[int, list[dict]]] = {}
+    for rank in range(ranks):
+        for line in (samples.parent / f"{samples.name}.rank{rank}").read_text().splitlines():
+            record = json.loads(line)
+            by_step.setdefault(record["step"], {}).setdefault(record["attempt"], []).append(record)
+    kept = []
+    for step, attempts in sorted(by_step.items()):
+        records = attempts[max(attempts)]
+        kept.append((step, records[0]["world_size"], [h for r in records for h in r["samples"]]))
+    return kept
+
+
+@pytest.mark.slow
+def test_node_loss_with_the_scaler_shrinks_the_batch_exactly(tmp_path):
+    """Node 1 of a 2 x 2-rank job dies at step 4; the survivors restore the committed state from their spills onto
+    2 ranks, the scaler halves the global batch (keep_per_rank) and scales the LRs by sqrt(1/2): the restored state
+    is the one committed before the kill, and the data stream goes on at the next sample, none lost or repeated."""
+    from lightning_dlrover.data.sources import SyntheticCriteo, make_batch
+    from lightning_dlrover.monitor.events import read_events
+    from tests.elastic.elastic_job import sample_hashes
+
+    samples = tmp_path / "samples"
+    workdir = tmp_path / "chaos"
+    config_path, config = _chaos_config(tmp_path, samples)
+    proc = run(["-m", "lightning_dlrover", "chaos", "--config", config_path, "--workdir", workdir,
+                "--kill-node", "1", "--at-step", "4", "--no-reference", "--last-call", "1", "--timeout", "300"], REPO, timeout=400)
+    summary = proc.stdout.split("\nchaos summary\n")[-1]
+    assert "recovered step 4 of a 4-rank job onto 2 ranks: decoded lost ranks [2, 3]" in summary, proc.stdout[-4000:]
+    assert "steps lost: 0" in summary and "job finished: yes" in summary, summary
+
+    events = read_events([workdir / "faulted" / "events.jsonl"])
+    kill = min(e.time for e in events if e.kind == "fault_injected")
+    before = {e.step: e["digest"] for e in events if e.kind == "digest" and not e["final"] and e.time < kill}
+    after = [e for e in events if e.kind == "digest" and not e["final"] and e.time > kill]
+    assert after[0].step == 4 and after[0]["digest"] == before[4]  # restored = committed before the kill
+    rescaled = [e for e in events if e.kind == "batch_rescaled"]
+    assert [(e["reason"], e["old_global_batch"], e["global_batch"], e["world_size"]) for e in rescaled] == [
+        ("world_size_changed", 480, 240, 2)]
+    assert rescaled[0]["lr_factor"] == pytest.approx(math.sqrt(0.5))
+    line = next(l for log in sorted(workdir.glob("faulted/node*.log")) for l in log.read_text().splitlines()
+                if "scaler: " in l)
+    final = json.loads(line.split("scaler: ", 1)[1])
+    assert final["world_size"] == 2 and final["global_batch"] == 240
+    assert final["lrs"] == pytest.approx([round(0.05 * math.sqrt(0.5), 8)])  # dense and fused embedding rates
+
+    kept = _trained_samples(samples, ranks=4)
+    assert [(step, world, len(h)) for step, world, h in kept] == (
+        [(s, 4, 480) for s in range(4)] + [(s, 2, 240) for s in range(4, 6)])
+    trained = [h for _, _, hashes in kept for h in hashes]
+    data = config["data"]
+    source = SyntheticCriteo(config["model"]["num_embeddings_per_feature"], data["global_batch_size"] *
+                             data["train_batches"], seed=data["seed"], alpha=1.5, label_seed=data["seed"])
+    expected = sample_hashes(make_batch(*source.rows(0, len(trained))).dense_features)
+    assert sorted(trained) == sorted(expected)  # samples [0, 4*480 + 2*240) exactly once each
