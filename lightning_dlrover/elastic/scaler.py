@@ -69,6 +69,31 @@ def _train_loader(trainer: pl.Trainer) -> Any:
     return loader
 
 
+def _recount_epoch(trainer: pl.Trainer, loader: Any) -> None:
+    """Makes the epoch end at the loader's last full batch after a batch change.
+
+    Lightning counts an epoch's batches once, from ``len(loader)`` at set-up (the fit loop's ``max_batches``, the
+    combined loader's limit, the data fetcher's length), so a smaller batch would end the epoch early and skip its
+    last samples. This recounts the current epoch (batches fetched so far plus the full batches the loader has
+    left, at the new size) and lets later epochs take their length from the loader. Lightning has no public API
+    for it: the fit loop's data fetcher and combined loader are reached directly. A user's ``limit_train_batches``
+    is left alone."""
+    loop = trainer.fit_loop
+    fetcher, combined = getattr(loop, "_data_fetcher", None), getattr(loop, "_combined_loader", None)
+    source = getattr(loader, "source", None)
+    if trainer.limit_train_batches != 1.0 or fetcher is None or combined is None or fetcher.length is None \
+            or source is None:
+        return
+    left = (len(source) - int(loader.state_dict()["next_sample"])) // int(loader.global_batch_size)
+    combined.limits = None  # later epochs: len(loader) at the batch size then in use
+    fetcher.length = fetcher.fetched + left
+    fetcher.done = left == 0
+    loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+    loop.max_batches = float("inf")  # the epoch ends on the fetcher's last batch
+    if trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch is not None:
+        trainer.val_check_batch = float("inf")  # validation stays at the epoch's end
+
+
 class ElasticBatchScaler(Callback):
     """Adapts the global batch and learning rates to the world size (see the module docs).
 
@@ -97,6 +122,7 @@ class ElasticBatchScaler(Callback):
         self._world_size = 0
         self._global_batch = 0
         self._requested = False
+        self._recount = False
         self._lrs: list[float] = []
         self._step_start: float | None = None
         self.history: list[dict[str, Any]] = []
@@ -135,6 +161,7 @@ class ElasticBatchScaler(Callback):
             self._apply(trainer, "world_size_changed" if world != self._world_size else "out_of_range")
         elif int(loader.global_batch_size) != self._global_batch:
             loader.global_batch_size = self._global_batch
+            self._recount = True
 
     # Until a noise scale is measured, ``adascale`` scales by 1 and ``goodput`` values batches by throughput only;
     # step times are not checkpointed, so after a restart ``goodput`` first keeps the nearest batch to the old one.
@@ -145,6 +172,9 @@ class ElasticBatchScaler(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._recount:
+            self._recount = False
+            _recount_epoch(trainer, _train_loader(trainer))
         self._step_start = time.perf_counter()
 
     @override
@@ -161,6 +191,9 @@ class ElasticBatchScaler(Callback):
         if self._requested or (self.check_every_n_steps and step % self.check_every_n_steps == 0 and step > 0):
             self._requested = False
             self._apply(trainer, "goodput")
+            if self._recount:
+                self._recount = False
+                _recount_epoch(trainer, _train_loader(trainer))
 
     def _apply(self, trainer: pl.Trainer, reason: str) -> None:
         world, old_world, old_batch = trainer.world_size, self._world_size, self._global_batch
@@ -186,6 +219,7 @@ class ElasticBatchScaler(Callback):
         scale_learning_rates(optimizers, decision.lr_factor)
         self._lrs = learning_rates(optimizers)
         _train_loader(trainer).global_batch_size = decision.global_batch
+        self._recount = True  # at the next batch (the epoch loop is not set up yet at train start) or at once
         self._global_batch, self._world_size = decision.global_batch, world
         record = {"reason": reason, "policy": self.policy, "rule": self.lr_rule, "old_world_size": old_world,
                   "world_size": world, "old_global_batch": old_batch, "global_batch": decision.global_batch,

@@ -122,3 +122,48 @@ def test_node_loss_with_the_scaler_shrinks_the_batch_exactly(tmp_path):
                              data["train_batches"], seed=data["seed"], alpha=1.5, label_seed=data["seed"])
     expected = sample_hashes(make_batch(*source.rows(0, len(trained))).dense_features)
     assert sorted(trained) == sorted(expected)  # samples [0, 4*480 + 2*240) exactly once each
+
+
+def _fit_one_rank(tmp_path, batch_range, samples, **trainer_args):
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_dlrover import DLRoverStrategy
+    from lightning_dlrover.data import DLRMDataModule
+    from lightning_dlrover.models import DLRMModule
+    from tests.elastic.elastic_job import SIZES, SampleLog
+
+    pl.seed_everything(7)
+    resume = trainer_args.pop("resume", None)
+    callbacks = [ElasticBatchScaler(*batch_range, policy="keep_global", lr_rule="sqrt"), SampleLog(str(samples))]
+    if resume is None:
+        callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DLRoverStrategy(), limit_val_batches=0, logger=False,
+                         enable_checkpointing=resume is None, callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, **trainer_args)
+    data = DLRMDataModule(SIZES, global_batch_size=64, train_batches=6, val_batches=0, seed=7)
+    try:
+        trainer.fit(DLRMModule(SIZES, embedding_dim=8, dense_arch_layer_sizes=[16, 8]), data, ckpt_path=resume)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return trainer, data
+
+
+def test_a_smaller_batch_mid_epoch_trains_the_rest_of_the_epoch(tmp_path, monkeypatch):
+    """Resumed mid-epoch with a range that halves the batch (64 -> 32), the epoch goes on to the loader's last full
+    batch (Lightning counted the epoch's batches at the old size), and the next epoch starts at sample 0."""
+    from lightning_dlrover.data.sources import SyntheticCriteo, make_batch
+    from tests.elastic.elastic_job import SIZES, sample_hashes
+
+    monkeypatch.chdir(tmp_path)  # the job's events file
+    samples = tmp_path / "samples"
+    _fit_one_rank(tmp_path, (32, 256), samples, max_steps=2)
+    trainer, _ = _fit_one_rank(tmp_path, (16, 32), samples, max_epochs=2, resume=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    log = [json.loads(line) for line in (tmp_path / "samples.rank0").read_text().splitlines()]
+    assert [r["batch"] for r in log] == [64] * 2 + [32] * (8 + 12)
+    assert trainer.current_epoch == 2 and trainer.global_step == 2 + 8 + 12
+    source = SyntheticCriteo(SIZES, 64 * 6, seed=7)
+    every = sample_hashes(make_batch(*source.rows(0, 384)).dense_features)
+    trained = [h for r in log for h in r["samples"]]
+    assert trained == every[:128] + every[128:] + every  # epoch 0 to its end at batch 32, then epoch 1 in full
