@@ -6,7 +6,7 @@ shrank, grew or replaced a rank (from a checkpoint or through the fault manager'
 trainer state carries the callback's) gets a new batch from its policy and rescaled learning rates. With the
 ``goodput`` policy it also measures the gradient noise scale and step times while training, and every
 ``check_every_n_steps`` steps switches to the batch of highest predicted goodput when the gain is above
-``min_gain``. :meth:`request` (e.g. from the resource advisor) makes it decide again at the next check.
+``min_gain``. The resource advisor sets the batch through :meth:`set_batch_per_rank` (its ``BatchSizeControl``).
 
 A change takes effect at the next batch the loader produces: the loader counts its position in samples, so no
 sample is lost or repeated (see :class:`~lightning_dlrover.data.ResumableLoader`). Each change is recorded
@@ -30,7 +30,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_dlrover.elastic.batch import LR_RULES, POLICIES, BatchRange, LRRule, Policy, decide, learning_rates
+from lightning_dlrover.elastic.batch import (LR_RULES, POLICIES, BatchDecision, BatchRange, LRRule, Policy, decide,
+                                             learning_rates, lr_factor)
 from lightning_dlrover.elastic.goodput import GoodputModel, GradientNoiseProbe, NoiseScaleEstimator
 from lightning_dlrover.monitor.events import emit
 
@@ -123,6 +124,7 @@ class ElasticBatchScaler(Callback):
         self._global_batch = 0
         self._requested = False
         self._recount = False
+        self._trainer: pl.Trainer | None = None
         self._lrs: list[float] = []
         self._step_start: float | None = None
         self.history: list[dict[str, Any]] = []
@@ -142,6 +144,7 @@ class ElasticBatchScaler(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loader = _train_loader(trainer)
         world = trainer.world_size
+        self._trainer = trainer
         optimizers = _optimizers(trainer)
         saved, self._saved = self._saved, None
         if saved and saved.get("world_size"):
@@ -167,8 +170,34 @@ class ElasticBatchScaler(Callback):
     # step times are not checkpointed, so after a restart ``goodput`` first keeps the nearest batch to the old one.
 
     def request(self) -> None:
-        """Makes the scaler decide the batch again at the next check (e.g. on the resource advisor's advice)."""
+        """Makes the ``goodput`` policy decide the batch again at the next step instead of waiting for its check."""
         self._requested = True
+
+    def get_batch_per_rank(self) -> int:
+        """Samples per rank per step now (the resource advisor's ``BatchSizeControl``)."""
+        return self._global_batch // max(self._world_size, 1)
+
+    def set_batch_per_rank(self, batch: int) -> None:
+        """Trains with ``batch`` samples per rank from the next batch on, as the resource advisor asks
+        (:class:`lightning_dlrover.advisor.control.BatchSizeControl`, which finds this callback by these two methods).
+
+        The global batch becomes the one in range nearest ``batch x world size`` and the learning rates follow the
+        scaler's rule; recorded as a ``batch_rescaled`` event with reason ``advisor``. Call it on every rank at the
+        same step, from a training-batch hook.
+        """
+        if self._trainer is None:
+            raise RuntimeError("ElasticBatchScaler.set_batch_per_rank: the scaler is not training yet; call it from a "
+                               "training-batch hook (e.g. the resource advisor's on_train_batch_end).")
+        if batch < 1:
+            raise ValueError(f"set_batch_per_rank({batch}): the batch per rank must be a positive integer.")
+        self._apply(self._trainer, "advisor", target=batch * self._trainer.world_size)
+        if self._recount:
+            self._recount = False
+            _recount_epoch(self._trainer, _train_loader(self._trainer))
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trainer = None
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -195,13 +224,18 @@ class ElasticBatchScaler(Callback):
                 self._recount = False
                 _recount_epoch(trainer, _train_loader(trainer))
 
-    def _apply(self, trainer: pl.Trainer, reason: str) -> None:
+    def _apply(self, trainer: pl.Trainer, reason: str, target: int | None = None) -> None:
         world, old_world, old_batch = trainer.world_size, self._world_size, self._global_batch
         model = self.goodput
         noise = model.noise_scale if model else None
-        decision = decide(self.policy, self.lr_rule, self.range, old_world, world, old_batch,
-                          goodput=model.goodput if model and model.step_times.observations else
-                          (lambda w, b: -abs(b - old_batch)), noise_scale=noise if noise is not None else 0.0)
+        if target is not None:  # asked for a batch: the feasible one nearest it
+            batch = min(self.range.check(world), key=lambda b: (abs(b - target), b))
+            decision = BatchDecision(batch, batch // world, lr_factor(self.lr_rule, old_batch, batch, noise or 0.0),
+                                     self.policy, self.lr_rule)
+        else:
+            decision = decide(self.policy, self.lr_rule, self.range, old_world, world, old_batch,
+                              goodput=model.goodput if model and model.step_times.observations else
+                              (lambda w, b: -abs(b - old_batch)), noise_scale=noise if noise is not None else 0.0)
         gain = None
         if reason == "goodput":
             switch = False

@@ -1,12 +1,15 @@
-"""ElasticBatchScaler: arguments, and in real multi-process jobs the batch, LRs and samples across a grow."""
+"""ElasticBatchScaler: arguments; the batch, LRs and samples across a grow, a node loss (real multi-process jobs),
+an epoch boundary and the resource advisor's batch control."""
 
 import json
 import math
 from collections import Counter
 
+import lightning.pytorch as pl
 import pytest
 
 from lightning_dlrover import ElasticBatchScaler
+from lightning_dlrover.advisor.control import BatchSizeControl, find_control
 from tests.conftest import REPO, run
 
 SCRIPT = REPO / "tests" / "elastic" / "elastic_job.py"
@@ -124,8 +127,18 @@ def test_node_loss_with_the_scaler_shrinks_the_batch_exactly(tmp_path):
     assert sorted(trained) == sorted(expected)  # samples [0, 4*480 + 2*240) exactly once each
 
 
+class _AdvisorAsks(pl.Callback):
+    """Asks for ``batch`` samples per rank at ``step`` as the resource advisor does (through its BatchSizeControl)."""
+
+    def __init__(self, step: int, batch: int) -> None:
+        self.step, self.batch = step, batch
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            find_control(trainer.callbacks, BatchSizeControl).set_batch_per_rank(self.batch)
+
+
 def _fit_one_rank(tmp_path, batch_range, samples, **trainer_args):
-    import lightning.pytorch as pl
     import torch.distributed as dist
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -137,7 +150,9 @@ def _fit_one_rank(tmp_path, batch_range, samples, **trainer_args):
     pl.seed_everything(7)
     resume = trainer_args.pop("resume", None)
     callbacks = [ElasticBatchScaler(*batch_range, policy="keep_global", lr_rule="sqrt"), SampleLog(str(samples))]
-    if resume is None:
+    if resume is not None:
+        callbacks.append(_AdvisorAsks(step=4, batch=16))
+    else:
         callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1))
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DLRoverStrategy(), limit_val_batches=0, logger=False,
                          enable_checkpointing=resume is None, callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, **trainer_args)
@@ -151,8 +166,10 @@ def _fit_one_rank(tmp_path, batch_range, samples, **trainer_args):
 
 
 def test_a_smaller_batch_mid_epoch_trains_the_rest_of_the_epoch(tmp_path, monkeypatch):
-    """Resumed mid-epoch with a range that halves the batch (64 -> 32), the epoch goes on to the loader's last full
-    batch (Lightning counted the epoch's batches at the old size), and the next epoch starts at sample 0."""
+    """Resumed mid-epoch with a range that halves the batch (64 -> 32), then halved again two steps later by the
+    resource advisor's batch control (32 -> 16): the epoch goes on to the loader's last full batch (Lightning
+    counted the epoch's batches at the old size), the next epoch starts at sample 0, and the LRs follow the rule."""
+    from lightning_dlrover.elastic.batch import learning_rates
     from lightning_dlrover.data.sources import SyntheticCriteo, make_batch
     from tests.elastic.elastic_job import SIZES, sample_hashes
 
@@ -161,8 +178,13 @@ def test_a_smaller_batch_mid_epoch_trains_the_rest_of_the_epoch(tmp_path, monkey
     _fit_one_rank(tmp_path, (32, 256), samples, max_steps=2)
     trainer, _ = _fit_one_rank(tmp_path, (16, 32), samples, max_epochs=2, resume=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
     log = [json.loads(line) for line in (tmp_path / "samples.rank0").read_text().splitlines()]
-    assert [r["batch"] for r in log] == [64] * 2 + [32] * (8 + 12)
-    assert trainer.current_epoch == 2 and trainer.global_step == 2 + 8 + 12
+    assert [r["batch"] for r in log] == [64] * 2 + [32] * 2 + [16] * (12 + 24)
+    assert trainer.current_epoch == 2 and trainer.global_step == 2 + 2 + 12 + 24
+    scaler = next(c for c in trainer.callbacks if isinstance(c, ElasticBatchScaler))
+    assert [(h["reason"], h["global_batch"]) for h in scaler.history] == [("out_of_range", 32), ("advisor", 16)]
+    assert scaler.get_batch_per_rank() == 16
+    rates = learning_rates([*trainer.optimizers, trainer.strategy.fused_optimizer])
+    assert rates == pytest.approx([0.05 * math.sqrt(16 / 64)] * len(rates))  # dense and fused, sqrt rule twice
     source = SyntheticCriteo(SIZES, 64 * 6, seed=7)
     every = sample_hashes(make_batch(*source.rows(0, 384)).dense_features)
     trained = [h for r in log for h in r["samples"]]
