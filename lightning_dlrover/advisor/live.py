@@ -7,7 +7,7 @@ Who changes what (:func:`live_controls` finds them among the trainer's callbacks
   else the :class:`~lightning_dlrover.pipeline.PipelineTuner`, handed a CPU budget of that many workers per rank
   (it goes on tuning the stages within it, so the two do not fight); else a
   :class:`~lightning_dlrover.data.pipeline.PipelinedLoader`, reconfigured to that many workers in all;
-- per-rank batch: a callback implementing :class:`~lightning_dlrover.advisor.control.BatchSizeControl`; else the
+- per-rank batch: a callback implementing :class:`~lightning_dlrover.advisor.control.BatchSizeControl`, such as the
   :class:`~lightning_dlrover.ElasticBatchScaler` (its nearest global batch in range; learning rates follow its rule).
 
 :class:`LiveApplier` applies a change on every rank, records it as an ``advice_applied`` event, and once the
@@ -87,34 +87,12 @@ class LoaderWorkers:
         return _running_within(self.loader, workers)
 
 
-class ScalerBatch:
-    """``BatchSizeControl`` over the ``ElasticBatchScaler``: the global batch is the per-rank batch x world size."""
-
-    via = "ElasticBatchScaler.set_global_batch"
-
-    def __init__(self, scaler: Any, trainer: Any) -> None:
-        self.scaler, self.trainer = scaler, trainer
-
-    def get_batch_per_rank(self) -> int:
-        return int(self.scaler.global_batch) // self.trainer.world_size
-
-    def set_batch_per_rank(self, batch: int) -> None:
-        self.scaler.set_global_batch(self.trainer, batch * self.trainer.world_size, reason="advisor")
-
-    def choices(self) -> tuple[int, ...]:
-        """Per-rank batches of the scaler's range among half, the same and twice the current one."""
-        world, now = self.trainer.world_size, self.get_batch_per_rank()
-        feasible = set(self.scaler.range.feasible(world))
-        return tuple(sorted(b for b in {now // 2, now, 2 * now} if b >= 1 and b * world in feasible)) or (now,)
-
-
 def live_controls(trainer: Any) -> list[Any]:
     """Whatever can change data workers and the per-rank batch in this job: callbacks implementing the control
-    protocols first (they win), then adapters over the ``PipelineTuner``, a ``PipelinedLoader``, the
-    ``ElasticBatchScaler``."""
+    protocols first (they win; the ``ElasticBatchScaler`` is one), then adapters over the ``PipelineTuner`` or a
+    ``PipelinedLoader``."""
     callbacks = list(trainer.callbacks)
     out = [c for c in callbacks if isinstance(c, (control.DataWorkersControl, control.BatchSizeControl))]
-    from lightning_dlrover.elastic.scaler import ElasticBatchScaler
     from lightning_dlrover.pipeline.callback import PipelineTuner, find_pipelined_loader
 
     try:
@@ -126,9 +104,6 @@ def live_controls(trainer: Any) -> list[Any]:
         out.append(TunerWorkers(tuner, loader))
     elif loader is not None:
         out.append(LoaderWorkers(loader))
-    scaler = next((c for c in callbacks if isinstance(c, ElasticBatchScaler)), None)
-    if scaler is not None and scaler.global_batch:
-        out.append(ScalerBatch(scaler, trainer))
     return out
 
 

@@ -6,8 +6,9 @@ shrank, grew or replaced a rank (from a checkpoint or through the fault manager'
 trainer state carries the callback's) gets a new batch from its policy and rescaled learning rates. With the
 ``goodput`` policy it also measures the gradient noise scale and step times while training, and every
 ``check_every_n_steps`` steps switches to the batch of highest predicted goodput when the gain is above
-``min_gain``. :meth:`request` (e.g. from the resource advisor) makes it decide again at the next check;
-:meth:`set_global_batch` switches to a given batch of the range at once (the resource advisor's ``apply=True``).
+``min_gain``. :meth:`request` makes the ``goodput`` policy decide again at the next step; :meth:`set_global_batch`
+switches to a given batch of the range at once, and the resource advisor's ``apply=True`` sets the batch through
+:meth:`set_batch_per_rank` (the scaler is its ``BatchSizeControl``).
 
 A change takes effect at the next batch the loader produces: the loader counts its position in samples, so no
 sample is lost or repeated (see :class:`~lightning_dlrover.data.ResumableLoader`). Each change is recorded
@@ -71,6 +72,31 @@ def _train_loader(trainer: pl.Trainer) -> Any:
     return loader
 
 
+def _recount_epoch(trainer: pl.Trainer, loader: Any) -> None:
+    """Makes the epoch end at the loader's last full batch after a batch change.
+
+    Lightning counts an epoch's batches once, from ``len(loader)`` at set-up (the fit loop's ``max_batches``, the
+    combined loader's limit, the data fetcher's length), so a smaller batch would end the epoch early and skip its
+    last samples. This recounts the current epoch (batches fetched so far plus the full batches the loader has
+    left, at the new size) and lets later epochs take their length from the loader. Lightning has no public API
+    for it: the fit loop's data fetcher and combined loader are reached directly. A user's ``limit_train_batches``
+    is left alone."""
+    loop = trainer.fit_loop
+    fetcher, combined = getattr(loop, "_data_fetcher", None), getattr(loop, "_combined_loader", None)
+    source = getattr(loader, "source", None)
+    if trainer.limit_train_batches != 1.0 or fetcher is None or combined is None or fetcher.length is None \
+            or source is None:
+        return
+    left = (len(source) - int(loader.state_dict()["next_sample"])) // int(loader.global_batch_size)
+    combined.limits = None  # later epochs: len(loader) at the batch size then in use
+    fetcher.length = fetcher.fetched + left
+    fetcher.done = left == 0
+    loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+    loop.max_batches = float("inf")  # the epoch ends on the fetcher's last batch
+    if trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch is not None:
+        trainer.val_check_batch = float("inf")  # validation stays at the epoch's end
+
+
 class ElasticBatchScaler(Callback):
     """Adapts the global batch and learning rates to the world size (see the module docs).
 
@@ -99,6 +125,8 @@ class ElasticBatchScaler(Callback):
         self._world_size = 0
         self._global_batch = 0
         self._requested = False
+        self._recount = False
+        self._trainer: pl.Trainer | None = None
         self._lrs: list[float] = []
         self._step_start: float | None = None
         self.history: list[dict[str, Any]] = []
@@ -118,6 +146,7 @@ class ElasticBatchScaler(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loader = _train_loader(trainer)
         world = trainer.world_size
+        self._trainer = trainer
         optimizers = _optimizers(trainer)
         saved, self._saved = self._saved, None
         if saved and saved.get("world_size"):
@@ -137,16 +166,53 @@ class ElasticBatchScaler(Callback):
             self._apply(trainer, "world_size_changed" if world != self._world_size else "out_of_range")
         elif int(loader.global_batch_size) != self._global_batch:
             loader.global_batch_size = self._global_batch
+            self._recount = True
 
     # Until a noise scale is measured, ``adascale`` scales by 1 and ``goodput`` values batches by throughput only;
     # step times are not checkpointed, so after a restart ``goodput`` first keeps the nearest batch to the old one.
 
     def request(self) -> None:
-        """Makes the scaler decide the batch again at the next check (e.g. on the resource advisor's advice)."""
+        """Makes the ``goodput`` policy decide the batch again at the next step instead of waiting for its check."""
         self._requested = True
+
+    #: How the resource advisor's ``advice_applied`` events name this control.
+    via = "ElasticBatchScaler.set_batch_per_rank"
+
+    def get_batch_per_rank(self) -> int:
+        """Samples per rank per step now (the resource advisor's ``BatchSizeControl``)."""
+        return self._global_batch // max(self._world_size, 1)
+
+    def set_batch_per_rank(self, batch: int) -> None:
+        """Trains with ``batch`` samples per rank from the next batch on, as the resource advisor asks
+        (:class:`lightning_dlrover.advisor.control.BatchSizeControl`, which finds this callback by these two methods):
+        :meth:`set_global_batch` with ``batch x world size`` and reason ``advisor``. Call it on every rank at the
+        same step, from a training-batch hook; the batch applied is the range's nearest (read it back)."""
+        if self._trainer is None:
+            raise RuntimeError("ElasticBatchScaler.set_batch_per_rank: the scaler is not training yet; call it from a "
+                               "training-batch hook (e.g. the resource advisor's on_train_batch_end).")
+        if batch < 1:
+            raise ValueError(f"set_batch_per_rank({batch}): the batch per rank must be a positive integer.")
+        self.set_global_batch(self._trainer, batch * self._trainer.world_size, reason="advisor")
+
+    def choices(self) -> tuple[int, ...]:
+        """Per-rank batches of the range among half, the same and twice the current one (the advisor's search)."""
+        world, now = max(self._world_size, 1), self.get_batch_per_rank()
+        feasible = set(self.range.feasible(world))
+        return tuple(sorted(b for b in {now // 2, now, 2 * now} if b >= 1 and b * world in feasible)) or (now,)
+
+    def _recount_now(self, trainer: pl.Trainer) -> None:
+        """Lightning counted this epoch's batches at the old batch size: count them again after a change."""
+        if self._recount:
+            self._recount = False
+            _recount_epoch(trainer, _train_loader(trainer))
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trainer = None
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._recount_now(trainer)
         self._step_start = time.perf_counter()
 
     @override
@@ -163,6 +229,7 @@ class ElasticBatchScaler(Callback):
         if self._requested or (self.check_every_n_steps and step % self.check_every_n_steps == 0 and step > 0):
             self._requested = False
             self._apply(trainer, "goodput")
+            self._recount_now(trainer)
 
     def _apply(self, trainer: pl.Trainer, reason: str) -> None:
         world, old_world, old_batch = trainer.world_size, self._world_size, self._global_batch
@@ -202,6 +269,8 @@ class ElasticBatchScaler(Callback):
         rule = self.lr_rule if self.lr_rule != "adascale" or noise is not None else "sqrt"
         decision = BatchDecision(batch, batch // world, lr_factor(rule, old_batch, batch, noise), self.policy, rule)
         self._switch(trainer, decision, reason, None)
+        if self._trainer is not None:  # mid-fit: before Lightning decides whether the epoch has another batch
+            self._recount_now(trainer)
         return decision
 
     def _switch(self, trainer: pl.Trainer, decision: BatchDecision, reason: str, gain: float | None) -> None:
@@ -213,6 +282,7 @@ class ElasticBatchScaler(Callback):
         scale_learning_rates(optimizers, decision.lr_factor)
         self._lrs = learning_rates(optimizers)
         _train_loader(trainer).global_batch_size = decision.global_batch
+        self._recount = True  # at the next batch (the epoch loop is not set up yet at train start) or at once
         self._global_batch, self._world_size = decision.global_batch, world
         record = {"reason": reason, "policy": self.policy, "rule": decision.rule, "old_world_size": old_world,
                   "world_size": world, "old_global_batch": old_batch, "global_batch": decision.global_batch,

@@ -78,7 +78,7 @@ def test_advisor_applies_threads_workers_and_batch_through_their_owners(tmp_path
     assert {(e.rank, e["knob"], e["old"], e["new"], e["via"]) for e in applied} == {
         (rank, knob, old, new, via) for rank in (0, 1) for knob, old, new, via in (
             ("threads_per_rank", 2, 1, "torch.set_num_threads"), ("data_workers", 2, 1, "PipelineTuner.set_budget"),
-            ("batch_per_rank", 256, 128, "ElasticBatchScaler.set_global_batch"))}
+            ("batch_per_rank", 256, 128, "ElasticBatchScaler.set_batch_per_rank"))}
     # Each change seen in the job's own steps on both ranks: threads in use, 128 samples per step, one worker.
     seen = {(e.rank, e["knob"]): e for e in events if e.kind == "advice_in_effect"}
     knobs = ("threads_per_rank", "data_workers", "batch_per_rank")

@@ -8,6 +8,7 @@ learning rates of the dense and fused optimizers) at the end of fit.
 import argparse
 import hashlib
 import json
+import os
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -31,6 +32,7 @@ class SampleLog(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         with open(f"{self.path}.rank{trainer.global_rank}", "a") as out:
             out.write(json.dumps({"step": trainer.global_step, "world_size": trainer.world_size,
+                                  "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                                   "batch": int(batch.labels.numel()),
                                   "samples": sample_hashes(batch.dense_features)}) + "\n")
 
