@@ -95,7 +95,7 @@ def test_a_survivor_lost_during_recovery_falls_back_to_a_full_restart(tmp_path, 
     kinds = [e.kind for e in events]
     assert kinds.count("replacement_planned") == 1 and "recovered_in_process" not in kinds, kinds
     restart = next(e for e in events if e.kind == "restarting_all")
-    assert restart.fields["failed_ranks"] == [0] and restart.fields["reason"] == "during_recovery"
+    assert 0 in restart.fields["failed_ranks"] and restart.fields["reason"] == "during_recovery"  # (its replacement may fail too)
     fallback = next(e for e in events if e.kind == "fallback")
     assert fallback.step == 3  # the checkpoint of step 3
     assert digest == reference  # the replay is exact
