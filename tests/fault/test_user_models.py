@@ -34,10 +34,10 @@ def workdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("user-chaos"))
 
 
-@pytest.mark.parametrize(("node", "step", "phase"), [(0, 10, "before_forward"), (1, 7, "during_parity_commit")])
-def test_dropout_batchnorm_model_recovers_exactly(workdir, node, step, phase):
-    summary = user_drill(workdir, "--kill-node", str(node), "--at-step", str(step), "--phase", phase, "--replace")
-    assert_exact(summary, step)
+def test_dropout_batchnorm_model_recovers_exactly(workdir):
+    # (a loss during the parity commit of this model: tests/fault/test_in_process.py, cold replacement)
+    summary = user_drill(workdir, "--kill-node", "0", "--at-step", "10", "--phase", "before_forward", "--replace")
+    assert_exact(summary, 10)
 
 
 def test_embedding_collection_with_sgd_recovers_exactly(workdir):
