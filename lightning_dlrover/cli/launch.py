@@ -211,8 +211,9 @@ class Launcher:
                     time.sleep(self.args.settle)
                     failed = sorted({*failed, *(w.rank for w in self.workers
                                                 if w.rank is not None and w.process.poll() not in (None, 0))})
-                survivors = [w for w in self.workers if w.rank is not None and w.process.poll() is None]
-                if survivors and not recent and not self.args.no_in_process:
+                # ranks on other machines survive unless their own launcher says otherwise: this one sees only its own
+                survivors = self.world_size - len(failed)
+                if survivors > 0 and not recent and not self.args.no_in_process:
                     recovering = self.replace(failed)
                     continue
                 if self.restarts >= self.args.max_restarts:

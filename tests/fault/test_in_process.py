@@ -1,6 +1,6 @@
-"""In-process recovery under ``lightning-dlrover launch``: a rank is SIGKILLed, the survivors stay in ``fit`` (same
-processes), a hot spare (or a process started cold) takes the lost rank, and the job ends with the digest of the
-same job run without a fault. A user's own model (tests/scripts/user_model.py: Dropout, BatchNorm, exact Adagrad
+"""In-process recovery under ``lightning-dlrover launch``: a rank (or a whole machine) is SIGKILLed, the survivors
+stay in ``fit`` (same processes), a hot spare (or a process started cold) takes the lost rank, and the job ends
+with the digest of the same job run without a fault. A user's own model (tests/scripts/user_model.py: Dropout, BatchNorm, exact Adagrad
 tables, Adam and SGD with momentum, an LR schedule, a StatefulDataLoader) on 2 ranks with k=1, r=1.
 """
 
@@ -63,13 +63,6 @@ def assert_recovered_in_process(events, digest, reference, step):
     started = {(e.rank, e.pid) for e in events if e.kind == "fault_injected"}
     assert started and all(pid != survivor.pid for _, pid in started)
     assert digest == reference
-
-
-def test_hot_spare_takes_the_lost_rank_before_forward(tmp_path, reference):
-    digest, events, _ = launch(tmp_path, "hot", "--spares", "1", fault="rank=1,step=5,phase=before_forward")
-    assert_recovered_in_process(events, digest, reference, step=5)
-    planned = next(e for e in events if e.kind == "replacement_planned")
-    assert planned.fields["lost_ranks"] == [1] and planned.fields["cold"] == []
 
 
 def test_cold_replacement_during_the_parity_commit(tmp_path, reference):
@@ -139,11 +132,27 @@ def two_machines(tmp_path, name: str, fault: str | None = None) -> tuple[str, li
     return re.findall(r"state digest: ([0-9a-f]{64})", out)[-1], read_events([events]), code
 
 
-def test_a_machine_lost_with_its_launcher_is_replaced_by_machine_0(tmp_path):
+@pytest.fixture(scope="module")
+def machines_reference(tmp_path_factory):
+    digest, _, code = two_machines(tmp_path_factory.mktemp("machines"), "reference")  # one rank per machine shards
+    assert code == 0  # differently from two ranks on one machine
+    return digest
+
+
+def test_hot_spare_on_the_lost_ranks_machine_takes_it_before_forward(tmp_path, machines_reference):
+    """Two machines with one rank each: rank 1 dies, and machine 1's launcher (whose only rank it was) hands it to
+    its own hot spare; rank 0 on machine 0 survives."""
+    digest, events, code = two_machines(tmp_path, "hot", fault="rank=1,step=5,phase=before_forward")
+    assert code == 0
+    assert_recovered_in_process(events, digest, machines_reference, step=5)
+    planned = next(e for e in events if e.kind == "replacement_planned")
+    assert planned.fields["lost_ranks"] == [1] and planned.fields["cold"] == []
+
+
+def test_a_machine_lost_with_its_launcher_is_replaced_by_machine_0(tmp_path, machines_reference):
     """Machine 1 dies whole (its launcher, rank and spare, as ``target=node`` does); machine 0's launcher notices
     the silent heartbeat and replaces rank 1 with its own hot spare."""
-    reference, _, code = two_machines(tmp_path, "reference")  # one rank per machine shards differently
-    assert code == 0
+    reference = machines_reference
     digest, events, code = two_machines(tmp_path, "lost", fault="step=5,phase=before_forward,target=node")
     assert code == -signal.SIGKILL  # the whole machine went down
     lost = next(e for e in events if e.kind == "node_lost")
