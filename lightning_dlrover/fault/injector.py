@@ -18,7 +18,8 @@ or through the environment, which reaches every rank a launcher starts::
 ``target=node`` takes down the whole node as a lost machine would: the first worker that reaches the point
 SIGKILLs its ``torchrun`` agent (its parent process), the agent's other workers, then itself. A job that
 resumed from a failure (``DLRoverStrategy.recovered``) never fires again, so the restarted workers, which
-inherit the same environment, replay the step instead of dying again. ``target=all`` kills every rank that
+inherit the same environment, replay the step instead of dying again; nor does a worker its launcher restarted
+(``TORCHELASTIC_RESTART_COUNT > 0``), which may have had nothing to resume from. ``target=all`` kills every rank that
 reaches the point (the whole job at once, as a power cut would): nobody is left to spill.
 
 ``step=S`` is the 0-based index of a training step: the step that runs while ``trainer.global_step == S``,
@@ -50,6 +51,7 @@ import lightning.pytorch as pl
 import psutil
 import torch.distributed as dist
 
+from lightning_dlrover.fault.launcher import restart_count
 from lightning_dlrover.monitor.events import emit
 
 #: Environment variable read by :meth:`FaultInjector.from_env`.
@@ -187,8 +189,8 @@ class FaultInjector(pl.Callback):
 
     def __call__(self, phase: str, step: int) -> None:
         """The fault point: kills this process if it is global rank ``rank`` at ``phase`` of training step ``step``."""
-        if phase != self.phase or step != self.step or getattr(self._strategy, "recovered", False):
-            return
+        if phase != self.phase or step != self.step or getattr(self._strategy, "recovered", False) or restart_count():
+            return  # a restarted worker (same environment) replays the step instead of dying again
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if self.target == "rank" and rank not in self.ranks:
             return

@@ -87,6 +87,10 @@ class InProcessRecovery:
         group = world_group()
         if group is None or self._store is None or not isinstance(error, RuntimeError):
             return None
+        if not self.manager.has_committed_state:  # lost in the first step: the job starts again from the beginning
+            emit("in_process_refused", why="nothing committed yet", error=str(error)[:200],
+                 message=f"rank {host.global_rank}: a rank was lost before the first commit: restarting the job")
+            return None
         self.times = JoinTimes(failed_at=time.time())
         plan = membership.wait_for_plan(self._store, restart_count(), group.generation + 1)
         if plan is None:

@@ -287,6 +287,11 @@ class FaultManager:
         self.reach("after_commit", step)
 
     @property
+    def has_committed_state(self) -> bool:
+        """Whether there is a trainer state to roll back to (a commit, a restored spill or a loaded checkpoint)."""
+        return self._meta is not None
+
+    @property
     def buffers(self) -> list[Tensor]:
         """This rank's dense module buffers (part of its rank state)."""
         return self._buffers

@@ -94,6 +94,18 @@ def test_a_survivor_lost_during_recovery_falls_back_to_a_full_restart(tmp_path, 
     assert digest == reference  # the replay is exact
 
 
+def test_a_loss_in_the_first_step_restarts_the_job_exactly(tmp_path, reference):
+    """Nothing is committed before the first step ends, so there is no state to roll back to in process: the
+    survivor refuses and the job starts again (found by 20 random kills, the first at step 0)."""
+    digest, events, _ = launch(tmp_path, "first", "--spares", "1", "--stop-grace", "5",
+                               fault="rank=1,step=0,phase=after_optimizer")
+    refused = next(e for e in events if e.kind == "in_process_refused")
+    assert refused.rank == 0 and refused.fields["why"] == "nothing committed yet"
+    kinds = [e.kind for e in events]
+    assert "restarting_all" in kinds and "recovered_in_process" not in kinds, kinds
+    assert digest == reference
+
+
 def test_two_ranks_lost_together_at_r2_are_replaced_in_one_recovery(tmp_path):
     """k=1, r=2 on 3 ranks: ranks 1 and 2 die at the same point; one hot spare and one cold process replace
     them in one plan, and rank 0, alone, hands them the state."""
