@@ -187,6 +187,10 @@ class Launcher:
                 lost += ranks
         return lost
 
+    def failed_ranks(self) -> list[int]:
+        """The ranks of this machine's workers that exited with an error."""
+        return [w.rank for w in self.workers if w.rank is not None and w.process.poll() not in (None, 0)]
+
     def others_finished(self) -> bool:
         """On machine 0: every other machine's ranks finished (or the machine is gone)."""
         return all(membership.is_done(self.store, self.restarts, n) or n in self.lost_nodes
@@ -203,14 +207,12 @@ class Launcher:
                 self.workers.remove(spare)  # a dead spare only shrinks the pool
             if recovering is not None and membership.restored_ranks(self.store, self.restarts, recovering) >= self.world_size:
                 recovering = None
-            failed = [w.rank for w in self.workers if w.rank is not None and w.process.poll() not in (None, 0)]
-            failed += self.watch_machines(adopt=not self._finished)
+            failed = self.failed_ranks() + self.watch_machines(adopt=not self._finished)
             if failed:
                 recent = recovering is not None
                 if not recent:  # ranks that die together (one fault, one machine) are replaced in one plan
                     time.sleep(self.args.settle)
-                    failed = sorted({*failed, *(w.rank for w in self.workers
-                                                if w.rank is not None and w.process.poll() not in (None, 0))})
+                    failed = sorted({*failed, *self.failed_ranks()})
                 # ranks on other machines survive unless their own launcher says otherwise: this one sees only its own
                 survivors = self.world_size - len(failed)
                 if survivors > 0 and not recent and not self.args.no_in_process:

@@ -101,9 +101,13 @@ class FaultInjector(pl.Callback):
         if not ranks:
             raise ValueError("FaultInjector rank=[] names no rank; give one rank or a list of them.")
         self.rank = rank if isinstance(rank, int) else sorted(set(ranks))
-        self.ranks = sorted(set(ranks))
         self.step, self.phase, self.signal, self.target = step, phase, signal, target
         self._strategy: Any = None
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks this injector kills (``rank`` as a list)."""
+        return [self.rank] if isinstance(self.rank, int) else self.rank
 
     def __repr__(self) -> str:
         return (
