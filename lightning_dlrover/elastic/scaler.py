@@ -33,7 +33,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_dlrover.elastic.batch import (LR_RULES, POLICIES, BatchDecision, BatchRange, LRRule, Policy, _nearest,
-                                             decide, learning_rates, lr_factor)
+                                             decide, learning_rates, lr_factor, scale_learning_rates)
 from lightning_dlrover.elastic.goodput import GoodputModel, GradientNoiseProbe, NoiseScaleEstimator
 from lightning_dlrover.monitor.events import emit
 
@@ -266,8 +266,8 @@ class ElasticBatchScaler(Callback):
         if batch == old_batch:
             return None
         noise = self.goodput.noise_scale if self.goodput else None
-        rule = self.lr_rule if self.lr_rule != "adascale" or noise is not None else "sqrt"
-        decision = BatchDecision(batch, batch // world, lr_factor(rule, old_batch, batch, noise), self.policy, rule)
+        factor = lr_factor(self.lr_rule, old_batch, batch, noise if noise is not None else 0.0)  # as _apply's
+        decision = BatchDecision(batch, batch // world, factor, self.policy, self.lr_rule)
         self._switch(trainer, decision, reason, None)
         if self._trainer is not None:  # mid-fit: before Lightning decides whether the epoch has another batch
             self._recount_now(trainer)
@@ -277,8 +277,6 @@ class ElasticBatchScaler(Callback):
         world, old_world, old_batch = trainer.world_size, self._world_size, self._global_batch
         noise = self.goodput.noise_scale if self.goodput else None
         optimizers = _optimizers(trainer)
-        from lightning_dlrover.elastic.batch import scale_learning_rates
-
         scale_learning_rates(optimizers, decision.lr_factor)
         self._lrs = learning_rates(optimizers)
         _train_loader(trainer).global_batch_size = decision.global_batch
