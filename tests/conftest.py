@@ -91,11 +91,35 @@ def _no_process_outlives_its_test():
     reap(multiprocessing.active_children())
 
 
+_session_status: list[int] = []
+
+
 def pytest_sessionfinish(session, exitstatus):
     reap(multiprocessing.active_children())
+    _session_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Ends pytest with the session's status once its summary is written, without interpreter shutdown.
+
+    CI hung twice after pytest's summary until its time limit. What shutdown waits on is outside the tests'
+    reach: a non-daemon thread a library left running, a multiprocessing child, or a C++ static destructor
+    of torch/gloo in this process (the same hang ``lightning_dlrover/strategy/process_exit.py`` avoids in
+    real ranks). Whatever would still be waited on is named on stderr first.
+    """
+    if not _session_status:
+        return  # no session ran (a usage error): exit as pytest would
+    reap(multiprocessing.active_children())
     stuck = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if stuck:  # these would keep the interpreter alive after the summary
-        print(f"\nnon-daemon threads still alive at the end of the session: {stuck}", file=sys.stderr)
+    if stuck:
+        print(f"non-daemon threads alive at the end of the session (not waited for): {stuck}", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+    os._exit(_session_status[-1])
 
 
 def exit_rank() -> None:
