@@ -149,15 +149,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def parse_run(parser: argparse.ArgumentParser | None, run: str) -> tuple[int, ParityConfig | None]:
-    """``"3:2,1"`` -> (3, ParityConfig(2, 1)); ``"4:2,1,16"`` -> (4, ParityConfig(2, 1, 16)); ``"3:none"`` -> (3, None)."""
+    """``"3:2,1"`` -> (3, ParityConfig(2, 1)); ``"4:2,1,16"`` -> (4, ParityConfig(2, 1, 16)); ``"2:1,1,1,0"`` ->
+    (2, ParityConfig(1, 1, 1, overlap=False)); ``"3:none"`` -> (3, None)."""
     try:
         devices, parity = run.split(":")
-        config = None if parity == "none" else ParityConfig(*map(int, parity.split(",")))
+        config = None if parity == "none" else ParityConfig.parse(parity)
         return int(devices), config
     except (ValueError, TypeError):
         if parser is None:
             raise
-        parser.error(f"run {run!r} is not ranks:none or ranks:k,r[,commit_every_n_steps]")
+        parser.error(f"run {run!r} is not ranks:none or ranks:k,r[,commit_every_n_steps[,overlap 0|1]]")
         raise
 
 
@@ -173,7 +174,7 @@ def parity_label(parity: ParityConfig | None) -> str:
     if parity is None:
         return "none"
     n = parity.commit_every_n_steps
-    return f"k{parity.k}r{parity.r}" + (f"n{n}" if n > 1 else "")
+    return f"k{parity.k}r{parity.r}" + (f"n{n}" if n > 1 else "") + ("" if parity.overlap else "s")
 
 
 # --- one run (every rank) --------------------------------------------------------------------------------
@@ -250,7 +251,8 @@ class Bench(pl.Callback):
         strategy = trainer.strategy
         if strategy.fault.coded is not None:
             self.capture_timed = instrument(strategy.fault.coded.state, "_touch", "capture", self._cpu, strategy.step_timer)
-            instrument(strategy.fault, "end_step", "parity", self._cpu)  # deltas, vote, snapshots
+            instrument(strategy.fault, "end_step", "parity", self._cpu)  # snapshots, deltas posted (or all of it)
+            instrument(strategy.fault, "begin_step", "parity", self._cpu)  # with overlap: deltas applied, the vote
             self._count_deltas(strategy.fault.coded)
         made = tempfile.mkdtemp(prefix="bench_ft_", dir=self.args.tmp) if trainer.is_global_zero else ""
         self.tmp = Path(strategy.broadcast(made))
@@ -277,14 +279,14 @@ class Bench(pl.Callback):
         self._resume, self._resume_cpu = time.perf_counter(), time.process_time()
 
     def _count_deltas(self, coded: Any) -> None:
-        """Counts the bytes every ``send_deltas`` sends (its messages: headers and row deltas)."""
-        send = coded.send_deltas
+        """Counts the bytes every ``post_deltas`` sends (its messages: headers and row deltas)."""
+        send = coded.post_deltas
 
         def counted() -> None:
             send()
             self._delta_bytes += coded.sent_bytes
 
-        coded.send_deltas = counted
+        coded.post_deltas = counted
 
     def _after_timed_steps(self, trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
@@ -303,6 +305,7 @@ class Bench(pl.Callback):
 
             # called through the instances, so instance attributes take effect
             strategy.fault.end_step = profiled(strategy.fault.end_step)
+            strategy.fault.begin_step = profiled(strategy.fault.begin_step)
 
     def _save(self, trainer: pl.Trainer, index: int) -> None:
         """Save number ``index`` of the checkpoint phase: backends alternate."""
@@ -467,7 +470,7 @@ def report(trainer: pl.Trainer, args: argparse.Namespace, parity: ParityConfig |
         profile = trim_profile(text.getvalue())
     result = {
         "devices": trainer.world_size,
-        "parity": None if parity is None else [parity.k, parity.r, parity.commit_every_n_steps],
+        "parity": None if parity is None else [parity.k, parity.r, parity.commit_every_n_steps, parity.overlap],
         "global_batch": args.batch,
         "threads": torch.get_num_threads(),
         "steps": len(steps),
@@ -503,7 +506,7 @@ class Run:
     """The result line of one run, as parsed."""
 
     devices: int
-    parity: tuple[int, int] | None
+    parity: tuple[int, int, int, bool] | None  # k, r, commit_every_n_steps, overlap
     global_batch: int
     threads: int
     steps: int
@@ -527,8 +530,7 @@ class Run:
     def label(self) -> str:
         if self.parity is None:
             return "none"
-        k, r, n = self.parity
-        return f"k{k}r{r}" + (f"n{n}" if n > 1 else "")
+        return parity_label(ParityConfig(*self.parity))
 
     @property
     def step_ms(self) -> float:
@@ -579,7 +581,8 @@ class Run:
 
 def run_variant(args: argparse.Namespace, devices: int, parity: ParityConfig | None, drill_: bool) -> Run:
     """Runs one ``train`` variant in a fresh process tree and parses its result line."""
-    forwarded = ["--devices", devices, "--parity", "none" if parity is None else f"{parity.k},{parity.r},{parity.commit_every_n_steps}",
+    forwarded = ["--devices", devices, "--parity", "none" if parity is None else
+                 f"{parity.k},{parity.r},{parity.commit_every_n_steps},{int(parity.overlap)}",
                  "--rows", args.rows, "--dim", args.dim, "--batch", args.batch, "--warmup", args.warmup,
                  "--steps", args.steps, "--saves", args.saves, "--victim", args.victim, "--repeats", args.repeats,
                  "--profile-steps", args.profile_steps, "--profile-top", args.profile_top, "--tmp", args.tmp,

@@ -4,7 +4,7 @@ A real multi-process DLRM job (Lightning's popen launcher re-runs this script pe
 ``DLRoverStrategy(parity=ParityConfig(k, r, N))``, 26 tables of ``--rows`` x ``--dim``, row-wise Adagrad).
 For every timed commit this script measures, on every rank:
 
-- **ours**: ``CodedEmbeddings.send_deltas`` (row deltas to the parity holders, folded into their parity)
+- **ours**: ``CodedEmbeddings.post_deltas`` + ``finish_deltas`` (row deltas to the parity holders, folded into their parity)
   plus the vote (``CodedEmbeddings.commit``), wall and CPU time of the process;
 - **floor**: the unavoidable work for the same commit's rows, done right before ours on the same
   touched rows: one gather of the rows' old and one of their new bytes (``index_select``), one XOR, one
@@ -56,7 +56,7 @@ class Timed:
 
 
 class FloorProbe(pl.Callback):
-    """Times ours (send_deltas + vote) and the floor on the same rows of every timed commit."""
+    """Times ours (post_deltas + finish_deltas + vote) and the floor on the same rows of every timed commit."""
 
     def __init__(self, warmup: int, commits: int, every: int) -> None:
         self.first, self.last = warmup * every, (warmup + commits) * every  # timed commits: global steps in (first, last]
@@ -69,12 +69,19 @@ class FloorProbe(pl.Callback):
         coded = trainer.strategy.fault.coded
         self.coded, self.code = coded, ReedSolomonCode(coded.placement.k, coded.placement.r)
         self.scratch = torch.zeros_like(coded.parity)
-        send, vote = coded.send_deltas, coded.commit
+        post, finish, vote = coded.post_deltas, coded.finish_deltas, coded.commit
 
-        def timed_send() -> None:
+        def timed_post() -> None:
             with Timed() as t:
-                send()
+                post()
             self._pending = t
+
+        def timed_finish() -> None:
+            with Timed() as t:
+                finish()
+            if self._pending is not None:
+                self._pending.wall += t.wall
+                self._pending.cpu += t.cpu
 
         def timed_vote(*args: Any) -> Any:
             with Timed() as t:
@@ -84,7 +91,7 @@ class FloorProbe(pl.Callback):
             self._pending = None
             return out
 
-        coded.send_deltas, coded.commit = timed_send, timed_vote
+        coded.post_deltas, coded.finish_deltas, coded.commit = timed_post, timed_finish, timed_vote
 
     def _timed(self, trainer: pl.Trainer) -> bool:
         return self.first < trainer.global_step <= self.last
@@ -148,11 +155,12 @@ class FloorProbe(pl.Callback):
 
 
 def run_rank(args: argparse.Namespace) -> None:
-    k, r, n = (list(map(int, args.parity.split(","))) + [1])[:3]
+    parity = ParityConfig.parse(args.parity)
+    k, r, n = parity.k, parity.r, parity.commit_every_n_steps
     sizes = [args.rows] * 26
     commits = args.steps if n == 1 else max(3, args.steps // 3)
     probe = FloorProbe(args.warmup, commits, n)
-    strategy = DLRoverStrategy(sharding_types=["table_wise"], parity=ParityConfig(k, r, n), print_digest=False)
+    strategy = DLRoverStrategy(sharding_types=["table_wise"], parity=parity, print_digest=False)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
                          max_steps=probe.last + 1, limit_val_batches=0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -220,7 +228,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     print("\n".join(lines))
-    print("ours: send_deltas + vote, CPU ms of the process per commit; floor: index_select of old and new rows, XOR, "
+    print("ours: post_deltas + finish_deltas + vote, CPU ms of the process per commit; floor: index_select of old and new rows, XOR, "
           "all_to_all_single of the same bytes per destination, update_rows of the received bytes (sizes exchanged "
           "beforehand, not counted); x cpu / x wall: ours / floor per rank and commit, median. Target: <= 1.3x.")
     print(f"wall {time.time() - started:.0f} s")

@@ -78,7 +78,7 @@ def measure(rows: int, dim: int, method: str, args: argparse.Namespace, workdir:
     output = (drill.workdir / "faulted" / "node0.log").read_text() + (drill.workdir / "faulted" / "node1.log").read_text()
     first = {kind: next((e for e in events if e.kind == kind), None) for kind in ("fault_injected", "stopped", "resumed")}
     kill, resumed = first["fault_injected"].time, first["resumed"].time
-    # jobs without parity spill nothing and record no "stopped": detection is not measured there (nan)
+    # every rank of a stopped job records "stopped" (with or without parity); nan if none got to it
     stopped = first["stopped"].time if first["stopped"] is not None else float("nan")
     if method == "parity":
         event = next(e for e in events if e.kind == "restored")

@@ -11,9 +11,11 @@ Commit protocol (one training step ``s``; ``committed_step`` is ``s - 1`` before
    groups; each holder folds them into its parity and keeps them as its own undo log (XOR is its own inverse).
 4. :meth:`CodedEmbeddings.commit`: a vote (an all-gather of every rank's ballot) that every rank reaches only
    after applying every delta it received. When it completes, step ``s`` is committed: undo logs are dropped
-   and ``committed_step = s``. :class:`~lightning_dlrover.fault.FaultManager` runs steps 3-4 once the whole
+   and ``committed_step = s``. :class:`~lightning_dlrover.fault.FaultManager` starts step 3 once the whole
    training step is over (callbacks, LR schedulers, validation), with snapshots of the dense and trainer state
-   and every rank's random generators (the ballots), so all of it belongs to the same step.
+   and every rank's random generators (the ballots), so all of it belongs to the same step. With overlap,
+   :meth:`~CodedEmbeddings.post_deltas` sends and the next step's start finishes step 3 and votes, so the
+   messages travel while the next batch is fetched.
 
 A failure before the vote completes leaves step ``s`` uncommitted everywhere; :meth:`rollback` undoes
 it on the survivors (rows restored from the undo log, received deltas re-applied), so data and parity
@@ -97,8 +99,14 @@ class CodedEmbeddings:
 
     def send_deltas(self) -> None:
         """Sends the row deltas since the last commit to their parity holders and folds in the ones received
-        (pairwise with the fixed parity partners, one round, no collective). The step stays undoable
-        (:meth:`rollback`) until :meth:`commit`.
+        (pairwise with the fixed parity partners, one round, no collective): :meth:`post_deltas` then
+        :meth:`finish_deltas`. The step stays undoable (:meth:`rollback`) until :meth:`commit`."""
+        self.post_deltas()
+        self.finish_deltas()
+
+    def post_deltas(self) -> None:
+        """Builds the delta messages and starts sending them; returns at once (:meth:`finish_deltas` waits). The
+        tables may be read, not written, until then: the next step's forward must wait.
 
         Each delta is written once, straight into the message to its first parity holder (one gather-XOR pass of the
         new rows against the undo log); further holders (``r > 1``) get a copy. A message is int64 words ``length,
@@ -151,10 +159,19 @@ class CodedEmbeddings:
                 out.view(kind).bitwise_xor_(old[lo:hi].view(kind))
             messages[dst] = message
             self.sent_bytes += message.numel()
-        for message in self._mailbox.exchange(messages).values():
+        self._mailbox.post(messages)
+
+    def finish_deltas(self) -> None:
+        """Waits for the deltas :meth:`post_deltas` sent and received, and folds the received ones into parity."""
+        for message in self._mailbox.collect().values():
             for block in self._blocks(message):
                 self._apply(*block)
                 self._pending.append(block)
+
+    @property
+    def deltas_in_flight(self) -> bool:
+        """Whether deltas were posted and not finished."""
+        return self._mailbox.posted
 
     def commit(self, step: int, ballot: Tensor) -> list[Tensor]:
         """The vote: an all-gather of every rank's ``ballot`` (uint8, the same size on every rank), reached by
@@ -216,6 +233,9 @@ class CodedEmbeddings:
                 f"{len(lost)} ranks lost ({lost}) but parity tolerates r={r}; restore the last checkpoint instead."
             )
         self.rollback()
+        # A replacement starts with small buffers, and an exchange abandoned by the failure leaves the partners
+        # disagreeing on sizes: every rank starts over.
+        self._mailbox = Mailbox(self._partners_in)
 
         def same(rank: int) -> int:  # in place: every rank holds and rebuilds its own chunks
             return rank

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from lightning_dlrover.fault import membership
 from lightning_dlrover.fault.launcher import restart_count
-from lightning_dlrover.fault.manager import FaultManager, Host
+from lightning_dlrover.fault.host import Host
+from lightning_dlrover.fault.manager import FaultManager
 from lightning_dlrover.fault.process_group import ReconfigurableGroup
 from lightning_dlrover.fault.recovery import RecoveryReport
 from lightning_dlrover.monitor import emit

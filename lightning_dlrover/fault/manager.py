@@ -8,6 +8,7 @@ recovery, and the recovery events. A training strategy drives it through a handf
     manager.start(host)                    # set-up: restore a failed job, encode parity -> state to resume from
     manager.begin_step(step)               # before the forward of a training step
     manager.end_step(step, trainer_state)  # once the whole step is over (callbacks, schedulers, validation)
+    manager.settle()                       # decides a commit still in flight (begin_step and finish call it)
     manager.on_exception(error)            # spill
     manager.finish()                       # fit ended normally: nothing left behind
 
@@ -21,7 +22,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,40 +32,21 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from lightning_dlrover.fault import rank_state
 from lightning_dlrover.fault.coded_embeddings import CodedEmbeddings
 from lightning_dlrover.fault.coded_state import CodedState
-from lightning_dlrover.fault.launcher import restart_count, under_torchrun
+from lightning_dlrover.fault.host import Host
+from lightning_dlrover.fault.launcher import under_torchrun
 from lightning_dlrover.fault.placement import ParityConfig, ParityPlacement
-from lightning_dlrover.fault.recovery import RecoveryReport, Unrecoverable, restore
+from lightning_dlrover.fault.recovery import RecoveryReport, Unrecoverable
 from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot
+from lightning_dlrover.fault.resume import fall_back, restore_failed_job
 from lightning_dlrover.fault.spill import (
     ProgressRecord,
     Spill,
     UnsafeSpillDir,
     job_identity,
-    last_committed_step,
-    read_spills,
     spill_dir,
     write_spill,
 )
 from lightning_dlrover.monitor import StepTimer, emit
-
-
-class Host(Protocol):
-    """What the manager needs from the training strategy (``DLRoverStrategy`` is one)."""
-
-    global_rank: int
-    world_size: int
-    local_rank: int
-    num_processes: int  # ranks on this node
-    model: nn.Module  # the sharded model (TorchRec ``DistributedModelParallel``)
-    lightning_module: nn.Module
-    optimizers: list[torch.optim.Optimizer]
-
-    @property
-    def is_global_zero(self) -> bool: ...
-
-    def latest_checkpoint(self, at_most: int | None) -> Path | None: ...
-
-    def load_checkpoint(self, checkpoint_path: Path) -> dict[str, Any]: ...
 
 
 def dense_buffers(module: nn.Module) -> list[Tensor]:
@@ -100,6 +82,7 @@ class FaultManager:
         self._buffers: list[Tensor] = []  # this rank's dense module buffers
         self._pending_rank_state: Tensor | None = None  # restored rank state, generators applied before the first resumed step
         self._in_flight: int | None = None  # index of the step in flight
+        self._deciding: tuple[int, int, dict[str, Any], Tensor] | None = None  # a posted commit: index, step, meta, ballot
         self._announce_resume = False
         self._progress: ProgressRecord | None = None
         self._spill_dir: Path | None = None
@@ -125,7 +108,7 @@ class FaultManager:
         if state is not None:
             self.coded = self._encode(host, state)
         if reason is not None:
-            resume = self._fall_back(host, reason)
+            resume = fall_back(host, reason)
         if resume is not None:
             self.recovered = self._announce_resume = True
             self.committed_step = resume["global_step"]
@@ -144,30 +127,9 @@ class FaultManager:
     def _restore(self, host: Host, state: CodedState | None) -> tuple[dict[str, Any] | None, Unrecoverable | None]:
         """Decodes the spills of a failed launch of this job; the reason to fall back when they cannot be used."""
         self._spill_dir = spill_dir()
-        spills, refused = read_spills(self._spill_dir, host.local_rank, host.num_processes)
-        if refused:
-            emit("stale_spills_refused", paths=[r.split(":")[0] for r in refused], why="; ".join(refused),
-                 message="refused spills: " + "; ".join(refused))
-        reached = last_committed_step(self._spill_dir) if host.local_rank == 0 else None
-        facts = [None] * host.world_size
-        dist.all_gather_object(facts, (reached, restart_count(), len(refused)))
-        progress = max((f[0] for f in facts if f[0] is not None), default=None)
-        restarted = progress is not None or max(f[1] for f in facts) > 0
-        refusals = sum(f[2] for f in facts)
-        try:
-            report = restore(state, spills)
-        except Unrecoverable as err:
-            return None, err
-        finally:
-            for spill in spills:  # live again, or superseded by the checkpoint
-                if spill.path is not None:
-                    spill.path.unlink(missing_ok=True)
+        report, reason = restore_failed_job(host, state, self._spill_dir)
         if report is None:
-            if restarted:  # every rank died at once, or was killed before it could spill
-                step = progress if progress is not None else -1
-                why = f" ({refusals} spills refused, see above)" if refusals else ""
-                return None, Unrecoverable(f"The job was restarted but no rank left a usable spill{why}.", step)
-            return None, None
+            return None, reason
         self._load_dense_state(host, report)
         if host.is_global_zero:
             emit("restored", step=report.step, old_world_size=report.world_size, world_size=host.world_size,
@@ -211,28 +173,6 @@ class FaultManager:
                   f"any {r} lost ranks are recoverable{node}; the recovery point is committed {point}.", flush=True)
         return coded
 
-    def _fall_back(self, host: Host, reason: Unrecoverable) -> dict[str, Any] | None:
-        """Loads the newest checkpoint not past the failure; with none, says loudly that training starts over."""
-        at_most = reason.step if reason.step >= 0 else None
-        path = host.latest_checkpoint(at_most)
-        failed = reason.step if reason.step >= 0 else None
-        if path is None:
-            lost = f"{failed} committed steps lost" if failed is not None else "the steps it had trained are lost"
-            if host.is_global_zero:
-                emit("fallback", step=0, why=str(reason), checkpoint=None, failed_step=failed, steps_lost=failed,
-                     load_s=0.0, message=f"WARNING: {reason} There is no checkpoint to fall back to (add a "
-                     f"ModelCheckpoint(every_n_train_steps=N)): training STARTS OVER FROM STEP 0; {lost}.")
-            return None
-        started = time.perf_counter()
-        meta = host.load_checkpoint(path)
-        seconds, step = time.perf_counter() - started, meta["global_step"]
-        lost = failed - step if failed is not None else None
-        if host.is_global_zero:
-            emit("fallback", step=step, why=str(reason), checkpoint=str(path), failed_step=failed, steps_lost=lost,
-                 load_s=seconds, message=f"{reason} Resuming from checkpoint {path} at step {step} (loaded in "
-                 f"{seconds:.3f} s): {lost if lost is not None else 'an unknown number of'} committed steps lost")
-        return meta
-
     @staticmethod
     def _dense_tensors(host: Host) -> Callable[[], list[Tensor]]:
         """The replicated state: every dense parameter and buffer, and the dense optimizers' state tensors."""
@@ -252,7 +192,9 @@ class FaultManager:
             point(phase, step)
 
     def begin_step(self, step: int) -> None:
-        """Before the forward of the step that starts at ``global_step == step``: applies restored generators."""
+        """Before the forward of the step that starts at ``global_step == step``: decides a commit still in flight,
+        applies restored generators."""
+        self.settle()
         if self._pending_rank_state is not None:
             rank_state.restore_rank(self._pending_rank_state, [])
             self._pending_rank_state = None
@@ -261,22 +203,43 @@ class FaultManager:
         self.reach("before_forward", step)
 
     def end_step(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
-        """Commits the step that just ended (``step``: ``global_step`` after it) once nothing of it is left to run."""
+        """Commits the step that just ended (``step``: ``global_step`` after it) once nothing of it is left to run.
+        With ``parity.overlap`` the commit is decided by :meth:`settle` (the next :meth:`begin_step`)."""
         if self._in_flight is None:  # no training step ran since the last commit (e.g. Lightning skipping a batch)
             return
         index, self._in_flight = self._in_flight, None
         self.reach("after_optimizer", index)
-        if self.coded is not None and step - self.committed_step < self.parity.commit_every_n_steps:
+        if self.coded is None:
+            self._committed(step)
+            return
+        if step - self.committed_step < self.parity.commit_every_n_steps:
             return  # the commit window goes on: touched rows keep their first undo-log entry
-        if self.coded is not None:
-            with self.timer.section("parity"):
-                self.coded.send_deltas()
-                self.reach("during_parity_commit", index)
-                meta = trainer_state()
-                ballots = self.coded.commit(step, rank_state.pad(rank_state.capture_rank(self._buffers), self._rank_state_len))
-                assert self._dense is not None
-                self._dense.take()
-                self._meta, self._rank_states = meta, torch.stack(ballots)
+        self.settle()
+        with self.timer.section("parity"):
+            assert self._dense is not None
+            self._dense.stage()  # everything of step ``step`` is taken now; only the exchange and the vote wait
+            ballot = rank_state.pad(rank_state.capture_rank(self._buffers), self._rank_state_len)
+            self._deciding = (index, step, trainer_state(), ballot)
+            self.coded.post_deltas()
+        if not self.parity.overlap:
+            self.settle()
+
+    def settle(self) -> None:
+        """Decides the commit in flight, if any (collective): waits for its deltas, folds them into parity, votes."""
+        if self._deciding is None:
+            return
+        assert self.coded is not None and self._dense is not None
+        index, step, meta, ballot = self._deciding
+        with self.timer.section("parity"):
+            self.coded.finish_deltas()
+            self.reach("during_parity_commit", index)
+            ballots = self.coded.commit(step, ballot)
+            self._dense.promote()
+            self._meta, self._rank_states = meta, torch.stack(ballots)
+        self._deciding = None
+        self._committed(step)
+
+    def _committed(self, step: int) -> None:
         self.committed_step = step
         if self._progress is not None:
             self._progress.write(step)
@@ -299,6 +262,7 @@ class FaultManager:
     def after_checkpoint_load(self, meta: dict[str, Any]) -> None:
         """A checkpoint was loaded into the model: re-encode parity, restore every rank's generators and buffers;
         its step is the committed one until the next commit."""
+        self._deciding = None
         if self.coded is not None:
             self.coded.encode()
         self.committed_step, self._meta = meta["global_step"], dict(meta)
@@ -315,6 +279,12 @@ class FaultManager:
     def on_exception(self, error: BaseException) -> None:
         """Spills this rank's committed state to shared memory for the restarted job (under ``torchrun``; with parity).
         The step in flight is rolled back first; a spill needs no other rank."""
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        if self._host is not None and self.coded is None and self.committed_step >= 0:
+            emit("stopped", step=self.committed_step, reason=reason, spill="nothing (no parity)", spill_s=0.0,
+                 message=f"rank {self._host.global_rank} stopped at {time.time():.3f} ({reason}); no parity, so "
+                 "nothing is spilled: a restarted job resumes from its newest checkpoint")
+            return
         if self._host is None or self._spill_dir is None or self.coded is None or self.committed_step < 0:
             return  # nothing committed yet (the failure came during set-up): a spill would only mislead a restart
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher SIGTERMs a failed node's workers
@@ -325,7 +295,6 @@ class FaultManager:
             path = f"nothing ({err})"
         finally:
             signal.signal(signal.SIGTERM, previous)
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         emit("stopped", step=self.committed_step, reason=reason, spill=str(path), spill_s=time.time() - stopped,
              message=f"rank {self._host.global_rank} stopped at {stopped:.3f} ({reason}); spilled the state of step "
              f"{self.committed_step} to {path} in {time.time() - stopped:.3f} s")
@@ -333,6 +302,7 @@ class FaultManager:
     def _committed_spill(self) -> Spill:
         """This rank's coded state and the trainer's state at the last commit (the step in flight rolled back)."""
         assert self.coded is not None and self._host is not None and self._dense is not None
+        self._deciding = None  # a commit still in flight is not decided: every rank rolls it back
         self.coded.rollback()
         self._dense.restore()
         meta = self._committed_meta(self._host) if self._meta is not None else None
@@ -364,6 +334,7 @@ class FaultManager:
         committed step, from the survivors' shards and parity; dense state back to the commit (collective)."""
         if self.coded is None:
             raise RuntimeError("recover needs parity: pass DLRoverStrategy(parity=ParityConfig(...)).")
+        self._deciding = None
         self.coded.recover(sorted(set(lost_ranks)))
         assert self._dense is not None
         self._dense.restore()
@@ -377,6 +348,7 @@ class FaultManager:
         if self.parity is None:
             raise Unrecoverable("in-process recovery needs parity (DLRoverStrategy(parity=ParityConfig(...))).",
                                 self.committed_step)
+        self._deciding = None
         if survivor:  # mirrors the replacement's state construction (layouts, chunk length)
             assert self.coded is not None and self._dense is not None
             self.coded.state.share_layout()
@@ -406,7 +378,8 @@ class FaultManager:
         return report
 
     def finish(self) -> None:
-        """Training ended normally: removes this rank's progress record (nothing to resume)."""
+        """Training ended normally: decides the last commit, removes this rank's progress record (nothing to resume)."""
+        self.settle()
         if self._progress is not None:
             self._progress.close(remove=True)
             self._progress = None

@@ -56,7 +56,9 @@ class Mailbox:
     before knowing its length (gloo accepts a shorter message); a message longer than the buffer travels in two
     parts, the rest once the receiver has read the length. Both sides then grow the buffer the same way (each knows
     the length), so a later message of that size fits in one part. Received messages are views of the buffers,
-    valid until the next :meth:`exchange`.
+    valid until the next :meth:`exchange`. :meth:`post` and :meth:`collect` split an exchange in two, so that
+    other work runs while the messages travel. After a failure mid-exchange the two sides may disagree on the
+    buffer sizes: every rank of the new communicator then starts a new ``Mailbox``.
 
     Args:
         sources: ranks that send a message here at every exchange.
@@ -67,6 +69,7 @@ class Mailbox:
         self._inbox = {src: torch.empty(capacity, dtype=torch.uint8) for src in sources}
         self._capacity_out: dict[int, int] = {}
         self._initial = capacity
+        self._posted: tuple[list[tuple[int, Tensor, dist.Work]], list[dist.Work], list[Tensor]] | None = None
 
     @staticmethod
     def _grown(capacity: int, length: int) -> int:
@@ -76,16 +79,31 @@ class Mailbox:
 
     def exchange(self, sends: dict[int, Tensor]) -> dict[int, Tensor]:
         """Sends ``sends[dst]`` (uint8, first 8 bytes its length) to each ``dst``; returns each source's message."""
-        ops = [dist.irecv(box, src, tag=0) for src, box in self._inbox.items()]
-        works, rest = [], []
+        self.post(sends)
+        return self.collect()
+
+    def post(self, sends: dict[int, Tensor]) -> None:
+        """Starts an exchange (:meth:`exchange`) and returns at once; :meth:`collect` finishes it. The messages
+        must not change until then."""
+        if self._posted is not None:
+            raise RuntimeError("Mailbox.post: the previous exchange was not collected.")
+        receives = [(src, box, dist.irecv(box, src, tag=0)) for src, box in self._inbox.items()]
+        sending = []
         for dst, message in sends.items():
             capacity = self._capacity_out.get(dst, self._initial)
-            works.append(dist.isend(message[:capacity], dst, tag=0))
+            sending.append(dist.isend(message[:capacity], dst, tag=0))
             if message.numel() > capacity:
-                works.append(dist.isend(message[capacity:], dst, tag=1))
+                sending.append(dist.isend(message[capacity:], dst, tag=1))
                 self._capacity_out[dst] = self._grown(capacity, message.numel())
-        received = {}
-        for (src, box), work in zip(list(self._inbox.items()), ops):
+        self._posted = (receives, sending, list(sends.values()))
+
+    def collect(self) -> dict[int, Tensor]:
+        """Waits for the posted exchange; returns each source's message."""
+        if self._posted is None:
+            raise RuntimeError("Mailbox.collect: nothing was posted.")
+        receives, sending, _ = self._posted
+        received, rest = {}, []
+        for src, box, work in receives:
             work.wait()
             length = int(box[:8].view(torch.int64))
             if length > box.numel():
@@ -94,6 +112,12 @@ class Mailbox:
                 rest.append(dist.irecv(grown[box.numel() : length], src, tag=1))
                 self._inbox[src] = box = grown
             received[src] = box[:length]
-        for work in rest + works:
+        for work in rest + sending:
             work.wait()
+        self._posted = None
         return received
+
+    @property
+    def posted(self) -> bool:
+        """Whether an exchange was posted and not collected."""
+        return self._posted is not None

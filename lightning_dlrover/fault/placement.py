@@ -27,11 +27,16 @@ class ParityConfig:
         r: parity chunks per group (ranks that may be lost at once); ``r == 1`` is plain XOR.
         commit_every_n_steps: commit once every ``N`` steps: a row touched several times in the window sends
             one delta, and a failure resumes at the last commit (at most ``N - 1`` steps are trained again).
+        overlap: a commit's deltas travel while Lightning fetches the next batch (and runs epoch-end hooks); the
+            commit is decided (deltas folded in, the vote) just before the next step's forward. The recovery
+            point is the same as without overlap: the last step every rank voted for. ``False``: the whole
+            commit runs at the end of its step.
     """
 
     k: int = 2
     r: int = 1
     commit_every_n_steps: int = 1
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.r < 1:
@@ -41,6 +46,19 @@ class ParityConfig:
             raise ValueError(
                 f"parity.commit_every_n_steps={self.commit_every_n_steps!r} must be an integer >= 1 (1: every step)."
             )
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"parity.overlap={self.overlap!r} must be true or false.")
+
+    @classmethod
+    def parse(cls, text: str) -> ParityConfig:
+        """``"k,r[,commit_every_n_steps[,overlap 0|1]]"`` (a command-line form), e.g. ``"2,1"`` or ``"2,1,16,0"``."""
+        try:
+            numbers = [int(x) for x in text.split(",")]
+            if not 2 <= len(numbers) <= 4 or (len(numbers) == 4 and numbers[3] not in (0, 1)):
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"parity {text!r} is not k,r[,commit_every_n_steps[,overlap 0|1]] (e.g. 2,1 or 2,1,16,0).")
+        return cls(*numbers[:3], *(bool(n) for n in numbers[3:]))
 
 
 @dataclass(frozen=True)

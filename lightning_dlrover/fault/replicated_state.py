@@ -21,14 +21,27 @@ class ReplicatedSnapshot:
     def __init__(self, tensors: Callable[[], Sequence[Tensor]]) -> None:
         self._tensors = tensors
         self._copies: list[Tensor] = []
+        self._staged: list[Tensor] = []
+
+    @staticmethod
+    def _copy_into(copies: list[Tensor], live: list[Tensor]) -> list[Tensor]:
+        if [t.shape for t in live] != [c.shape for c in copies]:
+            return [t.detach().clone() for t in live]
+        if live:
+            torch._foreach_copy_(copies, [t.detach() for t in live])
+        return copies
 
     def take(self) -> None:
         """Copies the live tensors into the snapshot."""
-        live = list(self._tensors())
-        if [t.shape for t in live] != [c.shape for c in self._copies]:
-            self._copies = [t.detach().clone() for t in live]
-        elif live:
-            torch._foreach_copy_(self._copies, [t.detach() for t in live])
+        self._copies = self._copy_into(self._copies, list(self._tensors()))
+
+    def stage(self) -> None:
+        """Copies the live tensors aside; :meth:`promote` makes them the snapshot (a commit that is decided later)."""
+        self._staged = self._copy_into(self._staged, list(self._tensors()))
+
+    def promote(self) -> None:
+        """The staged copy becomes the snapshot (the previous one is reused by the next :meth:`stage`)."""
+        self._copies, self._staged = self._staged, self._copies
 
     def restore(self) -> None:
         """Copies the snapshot back into the live tensors."""

@@ -321,6 +321,7 @@ class DLRoverStrategy(DDPStrategy):
         complete, so a crash never leaves a partial checkpoint at ``filepath``. Every rank's random generators go in."""
         if storage_options is not None:
             raise TypeError("DLRoverStrategy.save_checkpoint does not take storage_options.")
+        self.fault.settle()  # the checkpoint and the committed step agree
         path = Path(self.broadcast(str(filepath)))
         staging = directory.staging_path(path)
         if self.is_global_zero and staging.exists():

@@ -16,7 +16,8 @@ from torchrec.distributed.types import ShardingPlan
 from lightning_dlrover.fault import membership
 from lightning_dlrover.fault.inprocess import InProcessRecovery, joining
 from lightning_dlrover.fault.launcher import restart_count
-from lightning_dlrover.fault.manager import FaultManager, Host
+from lightning_dlrover.fault.host import Host
+from lightning_dlrover.fault.manager import FaultManager
 from lightning_dlrover.fault.process_group import BACKEND, register
 from lightning_dlrover.fault.recovery import RecoveryReport
 from lightning_dlrover.strategy import lightning_glue as glue

@@ -31,11 +31,14 @@ def test_parity_needs_enough_ranks(tmp_path):
     assert "ParityConfig(k=2, r=1) needs k + r = 3 distinct ranks per parity group, but the world size is 2" in proc.stdout
 
 
-@pytest.mark.parametrize("phase", ["before_forward", "after_optimizer", "during_parity_commit"])
-def test_loss_mid_step_recovers_the_committed_step(tmp_path, phase):
+@pytest.mark.parametrize(("phase", "parity"), [("before_forward", "2,1"), ("after_optimizer", "2,1,1,0"),
+                                               ("during_parity_commit", "2,1")])
+def test_loss_mid_step_recovers_the_committed_step(tmp_path, phase, parity):
     """A loss inside step 5 (after its embedding and dense updates, or after some parity deltas were
-    applied) recovers every rank to exactly the state committed at the end of step 4."""
-    out = train(tmp_path, "--devices", "3", "--steps", "7", "--parity", "2,1",
+    applied) recovers every rank to exactly the state committed at the end of step 4. Commits overlap the
+    next step's data fetch (the default: the commit of step 5 is decided at step 6's start), except in the
+    ``after_optimizer`` case, which commits at the end of the step (``overlap=False``)."""
+    out = train(tmp_path, "--devices", "3", "--steps", "7", "--parity", parity,
                 "--drill-at", "4", "--drill", "1 0", "--drill-phase", phase).stdout
     assert f"drill {phase} lost=[1]: recovered state matches" in out
     assert f"drill {phase} lost=[0]: recovered state matches" in out

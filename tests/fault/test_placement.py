@@ -51,3 +51,16 @@ def test_parity_config_rejects_nonpositive_values():
 
     with pytest.raises(ValueError, match=r"got ParityConfig\(k=2, r=0\)"):
         ParityConfig(k=2, r=0)
+    with pytest.raises(ValueError, match="parity.overlap='yes' must be true or false"):
+        ParityConfig(overlap="yes")
+
+
+def test_parity_config_parses_its_command_line_form():
+    from lightning_dlrover import ParityConfig
+
+    assert ParityConfig.parse("2,1") == ParityConfig(2, 1)
+    assert ParityConfig.parse("2,2,16") == ParityConfig(2, 2, commit_every_n_steps=16)
+    assert ParityConfig.parse("1,1,1,0") == ParityConfig(1, 1, overlap=False)
+    for bad in ("2", "2,x", "2,1,1,2", "2,1,1,1,1"):
+        with pytest.raises(ValueError, match="is not k,r\\[,commit_every_n_steps"):
+            ParityConfig.parse(bad)

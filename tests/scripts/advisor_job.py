@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import lightning.pytorch as pl
 import torch

@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--monitor", action="store_true")
-    parser.add_argument("--parity", default=None, help="k,r[,commit_every_n_steps]")
+    parser.add_argument("--parity", default=None, help="k,r[,commit_every_n_steps[,overlap 0|1]]")
     parser.add_argument("--drill-at", type=int, default=None)
     parser.add_argument("--drill", default="", help="rank sets lost one after another, e.g. 0 1 2 or 0,1 1,2")
     parser.add_argument("--drill-phase", default="after_batch")
@@ -90,7 +90,7 @@ def main() -> None:
         sharding_types=args.sharding_types,
         constraints=constraints,
         checkpoint_backend=args.backend,
-        parity=ParityConfig(*map(int, args.parity.split(","))) if args.parity else None,
+        parity=ParityConfig.parse(args.parity) if args.parity else None,
         **({"timeout": timedelta(seconds=args.pg_timeout)} if args.pg_timeout else {}),
     )
     callbacks = [] if args.no_step_digests else [StateDigest(at_start=True)]
