@@ -62,10 +62,11 @@ class Mailbox:
 
     Args:
         sources: ranks that send a message here at every exchange.
-        capacity: initial receive buffer bytes per source.
+        capacity: initial receive buffer bytes per source. Small: a buffer grows to the first message that does not
+            fit (one message in two parts), so every job, small test jobs included, runs the growth path.
     """
 
-    def __init__(self, sources: list[int], capacity: int = 1 << 20) -> None:
+    def __init__(self, sources: list[int], capacity: int = 1 << 12) -> None:
         self._inbox = {src: torch.empty(capacity, dtype=torch.uint8) for src in sources}
         self._capacity_out: dict[int, int] = {}
         self._initial = capacity

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -55,13 +56,27 @@ def _message(src: int, dst: int, length: int) -> torch.Tensor:
 
 
 def _check_mailbox(rank: int) -> None:
-    """Messages shorter than, longer than (two parts, the buffer grows) and again within the receive buffer."""
+    """Messages shorter than, longer than (two parts, the buffer grows) and again within the receive buffer; an
+    exchange posted, a collective, then collected."""
     sources = [(rank - 1) % 3, (rank + 1) % 3]
     mailbox = Mailbox(sources, capacity=64)
     for length in (40, 200, 150, 1000, 16):
         sends = {dst: _message(rank, dst, length + dst) for dst in sources}
         got = mailbox.exchange(sends)
         assert sorted(got) == sorted(sources)
+        for src, message in got.items():
+            assert torch.equal(message, _message(src, rank, length + rank)), (rank, src, length)
+    # Split in two, as commits overlapping the next batch do: a collective runs while the messages travel.
+    for length in (3000, 100):
+        mailbox.post({dst: _message(rank, dst, length + dst) for dst in sources})
+        assert mailbox.posted
+        with pytest.raises(RuntimeError, match="the previous exchange was not collected"):
+            mailbox.post({})
+        total = torch.tensor([rank])
+        dist.all_reduce(total)
+        assert int(total) == 3
+        got = mailbox.collect()
+        assert not mailbox.posted
         for src, message in got.items():
             assert torch.equal(message, _message(src, rank, length + rank)), (rank, src, length)
 
