@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--drill-loss-at", type=int, default=None, help="index of the step the loss happens in")
     parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout in seconds")
     parser.add_argument("--no-step-digests", action="store_true", help="print only the final digest")
+    parser.add_argument("--digest-every", type=int, default=None, help="also print the digest every N steps")
     args = parser.parse_args()
 
     pl.seed_everything(args.seed)
@@ -93,7 +94,7 @@ def main() -> None:
         parity=ParityConfig(*map(int, args.parity.split(","))) if args.parity else None,
         **({"timeout": timedelta(seconds=args.pg_timeout)} if args.pg_timeout else {}),
     )
-    callbacks = [] if args.no_step_digests else [StateDigest(at_start=True)]
+    callbacks = [] if args.no_step_digests else [StateDigest(at_start=True, every_n_steps=args.digest_every)]
     if args.drill_at is not None:
         lost = [list(map(int, s.split(","))) for s in args.drill.split()]
         callbacks.append(LossDrill(args.drill_at, lost, args.drill_phase, args.drill_loss_at))
