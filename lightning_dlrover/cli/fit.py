@@ -7,6 +7,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_dlrover  # noqa: F401  (registers strategy="dlrover")
 from lightning_dlrover.data import DLRMDataModule
 from lightning_dlrover.data.sources import rank_slice
+from lightning_dlrover.elastic.scaler import ElasticBatchScaler
 from lightning_dlrover.fault import elastic_trainer_args
 from lightning_dlrover.models import DLRMModule
 from lightning_dlrover.strategy import DLRoverStrategy
@@ -30,7 +31,8 @@ class DLRoverCLI(LightningCLI):
         other ranks: each would fail the same way in its set-up, after seconds of start-up."""
         if isinstance(self.trainer.strategy, DLRoverStrategy):
             self.trainer.strategy.check_model(self.model)
-        rank_slice(self.datamodule.hparams.global_batch_size, 0, self.trainer.world_size)
+        if not any(isinstance(c, ElasticBatchScaler) for c in self.trainer.callbacks):  # it may fit the batch to the world
+            rank_slice(self.datamodule.hparams.global_batch_size, 0, self.trainer.world_size)
 
 
 def fit(args: list[str]) -> None:
