@@ -6,8 +6,11 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_dlrover  # noqa: F401  (registers strategy="dlrover")
 from lightning_dlrover.data import DLRMDataModule
+from lightning_dlrover.data.sources import rank_slice
+from lightning_dlrover.elastic.scaler import ElasticBatchScaler
 from lightning_dlrover.fault import elastic_trainer_args
 from lightning_dlrover.models import DLRMModule
+from lightning_dlrover.strategy import DLRoverStrategy
 
 
 class DLRoverCLI(LightningCLI):
@@ -21,6 +24,15 @@ class DLRoverCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         for key, value in elastic_trainer_args().items():
             config.trainer[key] = value
+
+    def before_fit(self) -> None:
+        """Rejects a config the job cannot run (the tables named in the strategy, its sharding types, the embedding
+        optimizer, a global batch the world size does not divide) in this process, before the trainer starts the
+        other ranks: each would fail the same way in its set-up, after seconds of start-up."""
+        if isinstance(self.trainer.strategy, DLRoverStrategy):
+            self.trainer.strategy.check_model(self.model)
+        if not any(isinstance(c, ElasticBatchScaler) for c in self.trainer.callbacks):  # it may fit the batch to the world
+            rank_slice(self.datamodule.hparams.global_batch_size, 0, self.trainer.world_size)
 
 
 def fit(args: list[str]) -> None:

@@ -268,14 +268,21 @@ class DLRoverStrategy(DDPStrategy):
         committed step, from the survivors' shards and parity (a collective on every rank)."""
         self.fault.recover(lost_ranks)
 
-    def _shard(self, module: pl.LightningModule) -> DistributedModelParallel:
-        """Plans the sharding of ``module``'s embedding tables and wraps it in ``DistributedModelParallel``."""
+    def check_model(self, module: pl.LightningModule, backend: str | None = None) -> dict[str, Any]:
+        """The planner constraints of ``module``'s tables; raises ``ValueError`` naming the field when the model or
+        the strategy's options cannot run (``backend``: the process group's, by default the one set-up will use).
+        ``lightning-dlrover fit`` calls it before the ranks start, so a bad config fails once, at once."""
         tables = check_module(module, self.compute_kernel, self.root_device.type)
-        backend = "gloo" if dist.get_backend() == RECONFIGURABLE else dist.get_backend()
+        backend = backend or self._get_process_group_backend()
+        backend = "gloo" if backend == RECONFIGURABLE else backend
         default_types = CPU_DEFAULT_SHARDING_TYPES if backend == "gloo" else None
-        constraints = build_constraints(
+        return build_constraints(
             tables, self.sharding_types or default_types or SHARDING_TYPES, self.compute_kernel, self.constraints, backend
         )
+
+    def _shard(self, module: pl.LightningModule) -> DistributedModelParallel:
+        """Plans the sharding of ``module``'s embedding tables and wraps it in ``DistributedModelParallel``."""
+        constraints = self.check_model(module, dist.get_backend())
         # Dense parameters move to the device now; meta-device tables are materialised by their shards.
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
         plan = in_process.shared_plan(

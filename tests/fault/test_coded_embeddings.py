@@ -31,27 +31,33 @@ def test_parity_needs_enough_ranks(tmp_path):
     assert "ParityConfig(k=2, r=1) needs k + r = 3 distinct ranks per parity group, but the world size is 2" in proc.stdout
 
 
-@pytest.mark.parametrize(("phase", "parity"), [("before_forward", "2,1"), ("after_optimizer", "2,1,1,0"),
-                                               ("during_parity_commit", "2,1")])
-def test_loss_mid_step_recovers_the_committed_step(tmp_path, phase, parity):
-    """A loss inside step 5 (after its embedding and dense updates, or after some parity deltas were
-    applied) recovers every rank to exactly the state committed at the end of step 4. Commits overlap the
-    next step's data fetch (the default: the commit of step 5 is decided at step 6's start), except in the
-    ``after_optimizer`` case, which commits at the end of the step (``overlap=False``)."""
-    out = train(tmp_path, "--devices", "3", "--steps", "7", "--parity", parity,
-                "--drill-at", "4", "--drill", "1 0", "--drill-phase", phase).stdout
-    assert f"drill {phase} lost=[1]: recovered state matches" in out
-    assert f"drill {phase} lost=[0]: recovered state matches" in out
+def test_loss_mid_step_recovers_the_committed_step(tmp_path):
+    """A loss inside a step (before its forward, after its embedding and dense updates, or after some parity deltas
+    were applied) recovers every rank to exactly the state committed at the end of the step before. One run,
+    three drills: in step index 4 before the forward, in 6 after the optimizer, in 8 during the parity commit,
+    each losing rank 1 then rank 0 (a drill rolls its step back, so that step commits nothing: drills are two
+    steps apart). Commits overlap the next batch's fetch (the default): the commit of step 8 is decided at step
+    9's start."""
+    phases = ["before_forward", "after_optimizer", "during_parity_commit"]
+    out = train(tmp_path, "--devices", "3", "--steps", "10", "--parity", "2,1", "--drill", "1 0",
+                "--drill-at", "4", "--drill-phase", phases[0],
+                "--drill-more", f"6,6,{phases[1]}", "--drill-more", f"8,8,{phases[2]}").stdout
+    for phase in phases:
+        assert f"drill {phase} lost=[1]: recovered state matches" in out, out[-4000:]
+        assert f"drill {phase} lost=[0]: recovered state matches" in out, out[-4000:]
     assert "DIFFERS" not in out
 
 
-@pytest.mark.parametrize("phase", ["after_optimizer", "during_parity_commit"])
-def test_coalesced_commits_recover_the_last_commit(tmp_path, phase):
-    """Commits every 4 steps: a loss inside the window (in step index 6, or in the commit of index 7) recovers
-    every rank to exactly the state committed at step 4; the start-up message states the recovery point."""
-    loss_at = "6" if phase == "after_optimizer" else "7"
-    out = train(tmp_path, "--devices", "3", "--steps", "9", "--parity", "2,1,4",
-                "--drill-at", "4", "--drill-loss-at", loss_at, "--drill", "2", "--drill-phase", phase).stdout
+def test_coalesced_commits_recover_the_last_commit(tmp_path):
+    """Commits every 4 steps: a loss inside the window (in step index 6 after the optimizer, window 4-7) or in the
+    commit that ends a window (index 11's parity commit, window 8-11) recovers every rank to exactly the state
+    committed at the window's start (step 4, step 8); the start-up message states the recovery point. One run,
+    with the whole commit at the end of its step (``overlap=False``; tests/fault/test_user_models.py drills
+    coalesced commits with overlap)."""
+    out = train(tmp_path, "--devices", "3", "--steps", "13", "--parity", "2,1,4,0", "--drill", "2",
+                "--drill-at", "4", "--drill-loss-at", "6", "--drill-phase", "after_optimizer",
+                "--drill-more", "8,11,during_parity_commit").stdout
     assert "the recovery point is committed every 4 steps (a failure trains at most 3 steps again)" in out
-    assert f"drill {phase} lost=[2]: recovered state matches" in out
+    for phase in ("after_optimizer", "during_parity_commit"):
+        assert f"drill {phase} lost=[2]: recovered state matches" in out, out[-4000:]
     assert "DIFFERS" not in out

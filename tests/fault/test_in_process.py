@@ -44,10 +44,20 @@ def launch(tmp_path, name: str, *launch_args: str, fault: str | None = None, ste
     return digest[-1], read_events([events]), proc.stdout
 
 
+def fault_free(workdir, nproc: int = 2, script_args=()) -> str:
+    """The digest of the same job without a fault, under Lightning's own launcher (``lightning-dlrover launch``
+    changes nothing without a fault; its start-up would only cost a process)."""
+    workdir.mkdir()
+    proc = run([SCRIPT, "--devices", str(nproc), "--steps", "12", "--root", str(workdir), *script_args], workdir,
+               timeout=400)
+    digest = re.findall(r"state digest: ([0-9a-f]{64})", proc.stdout)
+    assert digest, proc.stdout[-4000:]
+    return digest[-1]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    digest, _, _ = launch(tmp_path_factory.mktemp("reference"), "run", "--spares", "0")
-    return digest
+    return fault_free(tmp_path_factory.mktemp("reference") / "run")
 
 
 def assert_recovered_in_process(events, digest, reference, step):
@@ -110,7 +120,7 @@ def test_two_ranks_lost_together_at_r2_are_replaced_in_one_recovery(tmp_path):
     """k=1, r=2 on 3 ranks: ranks 1 and 2 die at the same point; one hot spare and one cold process replace
     them in one plan, and rank 0, alone, hands them the state."""
     three = ("--parity", "1,2")
-    reference, _, _ = launch(tmp_path, "reference3", "--spares", "0", nproc=3, script_args=three)
+    reference = fault_free(tmp_path / "reference3", nproc=3, script_args=three)
     digest, events, _ = launch(tmp_path, "double", "--spares", "1", nproc=3, script_args=three,
                                fault="rank=1+2,step=5,phase=before_forward")
     planned = [e for e in events if e.kind == "replacement_planned"]
@@ -121,15 +131,15 @@ def test_two_ranks_lost_together_at_r2_are_replaced_in_one_recovery(tmp_path):
     assert recovered == {0: True, 1: False, 2: False}
 
 
-def two_machines(tmp_path, name: str, fault: str | None = None) -> tuple[str, list, int]:
-    """Runs the user model under two launchers (machines) with one rank and one hot spare each, ``fault`` set on
-    machine 1 only; returns (digest, events, machine 1's exit code)."""
+def two_machines(tmp_path, name: str, fault: str | None = None, spares: int = 1) -> tuple[str, list, int]:
+    """Runs the user model under two launchers (machines) with one rank and ``spares`` hot spares each, ``fault``
+    set on machine 1 only; returns (digest, events, machine 1's exit code)."""
     workdir = tmp_path / name
     workdir.mkdir()
     events = workdir / "events.jsonl"
     env = {"LIGHTNING_DLROVER_EVENTS": str(events), "LIGHTNING_DLROVER_PLAN_TIMEOUT": "20"}
     launcher = [sys.executable, "-m", "lightning_dlrover", "launch", "--nnodes", "2", "--nproc-per-node", "1",
-                "--master", f"127.0.0.1:{free_port()}", "--run-id", name, "--spares", "1"]
+                "--master", f"127.0.0.1:{free_port()}", "--run-id", name, "--spares", str(spares)]
     program = ["--", SCRIPT, "--steps", "12", "--root", str(workdir)]
     machine0 = start([*launcher, "--node-rank", "0", *program], workdir, env)
     machine1 = start([*launcher, "--node-rank", "1", *program], workdir, {**env, **({FAULT_ENV: fault} if fault else {})})
@@ -146,8 +156,9 @@ def two_machines(tmp_path, name: str, fault: str | None = None) -> tuple[str, li
 
 @pytest.fixture(scope="module")
 def machines_reference(tmp_path_factory):
-    digest, _, code = two_machines(tmp_path_factory.mktemp("machines"), "reference")  # one rank per machine shards
-    assert code == 0  # differently from two ranks on one machine
+    # One rank per machine shards differently from two ranks on one machine; spares change nothing without a fault.
+    digest, _, code = two_machines(tmp_path_factory.mktemp("machines"), "reference", spares=0)
+    assert code == 0
     return digest
 
 

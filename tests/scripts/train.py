@@ -24,27 +24,29 @@ class LossDrill(pl.Callback):
 
     With ``phase="after_batch"`` the loss happens once step ``step`` is committed; with a strategy fault
     phase (``before_forward``, ``after_optimizer``, ``during_parity_commit``) it happens inside the next
-    step, which recovery must roll back.
+    step, which recovery must roll back. ``more`` adds drills ``(step, loss_step, phase)`` to the same run, each
+    checked against the state committed at its own ``step``.
     """
 
-    def __init__(self, step: int, ranks: list[list[int]], phase: str = "after_batch", loss_step: int | None = None) -> None:
-        self.step, self.ranks, self.phase = step, ranks, phase
-        self.loss_step = step if loss_step is None else loss_step  # a later index: a loss inside a commit window
-        self.committed = None
+    def __init__(self, step: int, ranks: list[list[int]], phase: str = "after_batch", loss_step: int | None = None,
+                 more: list[tuple[int, int, str]] = ()) -> None:
+        self.drills = [(step, step if loss_step is None else loss_step, phase), *more]  # a later loss step: inside a commit window
+        self.ranks = ranks
+        self.committed: dict[int, str] = {}  # drill index -> digest of the state committed at its step
 
     def setup(self, trainer, pl_module, stage) -> None:
         trainer.strategy.fault_points.append(lambda phase, step: self._point(trainer, phase, step))
 
     def _point(self, trainer, phase: str, step: int) -> None:
-        if phase == "after_commit" and step == self.step:
-            self.committed = training_state_digest(trainer)
-            self._drill(trainer, "after_batch", self.step)
-        else:
-            self._drill(trainer, phase, step)
+        for index, (commit, loss, drill_phase) in enumerate(self.drills):
+            if phase == "after_commit" and step == commit:
+                self.committed[index] = training_state_digest(trainer)
+                if drill_phase == "after_batch":
+                    self._drill(trainer, "after_batch", index)
+            elif phase == drill_phase and step == loss and index in self.committed:
+                self._drill(trainer, phase, index)
 
-    def _drill(self, trainer, phase: str, step: int) -> None:
-        if phase != self.phase or step != self.loss_step or self.committed is None:
-            return
+    def _drill(self, trainer, phase: str, index: int) -> None:
         strategy = trainer.strategy
         for lost in self.ranks:
             if trainer.global_rank in lost:
@@ -54,7 +56,7 @@ class LossDrill(pl.Callback):
             strategy.recover(lost)
             after = training_state_digest(trainer)
             if trainer.is_global_zero:
-                verdict = "matches" if after == self.committed else "DIFFERS"
+                verdict = "matches" if after == self.committed[index] else "DIFFERS"
                 print(f"drill {phase} lost={lost}: recovered state {verdict}", flush=True)
 
 
@@ -76,8 +78,11 @@ def main() -> None:
     parser.add_argument("--drill", default="", help="rank sets lost one after another, e.g. 0 1 2 or 0,1 1,2")
     parser.add_argument("--drill-phase", default="after_batch")
     parser.add_argument("--drill-loss-at", type=int, default=None, help="index of the step the loss happens in")
+    parser.add_argument("--drill-more", action="append", default=[], metavar="STEP,LOSS_STEP,PHASE",
+                        help="another drill in the same run (repeatable)")
     parser.add_argument("--pg-timeout", type=float, default=None, help="process-group timeout in seconds")
     parser.add_argument("--no-step-digests", action="store_true", help="print only the final digest")
+    parser.add_argument("--digest-every", type=int, default=None, help="also print the digest every N steps")
     args = parser.parse_args()
 
     pl.seed_everything(args.seed)
@@ -93,10 +98,11 @@ def main() -> None:
         parity=ParityConfig.parse(args.parity) if args.parity else None,
         **({"timeout": timedelta(seconds=args.pg_timeout)} if args.pg_timeout else {}),
     )
-    callbacks = [] if args.no_step_digests else [StateDigest(at_start=True)]
+    callbacks = [] if args.no_step_digests else [StateDigest(at_start=True, every_n_steps=args.digest_every)]
     if args.drill_at is not None:
         lost = [list(map(int, s.split(","))) for s in args.drill.split()]
-        callbacks.append(LossDrill(args.drill_at, lost, args.drill_phase, args.drill_loss_at))
+        more = [(int(a), int(b), phase) for a, b, phase in (m.split(",") for m in args.drill_more)]
+        callbacks.append(LossDrill(args.drill_at, lost, args.drill_phase, args.drill_loss_at, more))
     if args.monitor:
         callbacks.append(ThroughputMonitor(log_every_n_steps=5, warmup_steps=2))
     if args.ckpt_every:

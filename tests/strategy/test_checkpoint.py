@@ -7,25 +7,45 @@ from tests.conftest import digests, train
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """``backend -> (digests, checkpoint dir)`` of one uninterrupted 2-rank run of 16 steps that saves a checkpoint
+    at steps 8 and 16 with ``backend`` and prints the digest at steps 8 and 16 (run once per backend, read by
+    several tests)."""
+    runs = {}
+
+    def get(backend: str):
+        if backend not in runs:
+            tmp = tmp_path_factory.mktemp(f"uninterrupted-{backend}")
+            ckpt = tmp / "ckpt"
+            out = train(tmp, "--steps", "16", "--ckpt-dir", str(ckpt), "--ckpt-every", "8", "--digest-every", "8",
+                        "--backend", backend).stdout
+            runs[backend] = digests(out), ckpt
+        return runs[backend]
+
+    return get
+
+
 @pytest.mark.parametrize("backend", ["dcp", "torchsnapshot"])
-def test_resume_continues_exactly(tmp_path, backend):
-    straight = digests(train(tmp_path, "--steps", "16", "--batch", "64").stdout)
-    ckpt = tmp_path / "ckpt"
-    saved = digests(
-        train(tmp_path, "--steps", "8", "--batch", "64", "--ckpt-dir", str(ckpt), "--ckpt-every", "8",
-              "--backend", backend).stdout
-    )
-    resumed = digests(
-        train(tmp_path, "--steps", "16", "--batch", "64", "--resume", str(ckpt / "epoch=0-step=8.ckpt")).stdout
-    )
-    assert resumed["8"] == saved["end"], "the restored state is the saved state"
+def test_resume_continues_exactly(tmp_path, uninterrupted, backend):
+    """A run resumed from the checkpoint of step 8 starts from exactly the state saved at step 8 and ends where the
+    uninterrupted run ends; the checkpoint directory holds only the complete checkpoints (no partial one)."""
+    straight, ckpt = uninterrupted(backend)
+    resumed = digests(train(tmp_path, "--steps", "16", "--resume", str(ckpt / "epoch=0-step=8.ckpt")).stdout)
+    assert resumed["8"] == straight["8"], "the restored state is the saved state"
     assert resumed["end"] == straight["end"], "a resumed run ends where an uninterrupted one does"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=8.ckpt"], "no partial checkpoint left behind"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=16.ckpt", "epoch=0-step=8.ckpt"], \
+        "no partial checkpoint left behind"
 
 
-@pytest.mark.parametrize(
-    ("backend", "save_ws", "load_ws"), [("dcp", 2, 3), ("dcp", 3, 2), ("torchsnapshot", 3, 2)]
-)
+def test_dcp_restores_into_a_larger_world_size(tmp_path, uninterrupted):
+    """A dcp checkpoint saved by 2 ranks restores exactly onto 3."""
+    saved, ckpt = uninterrupted("dcp")
+    loaded = digests(train(tmp_path, "--devices", "3", "--steps", "9", "--resume", str(ckpt / "epoch=0-step=8.ckpt")).stdout)
+    assert loaded["8"] == saved["8"]
+
+
+@pytest.mark.parametrize(("backend", "save_ws", "load_ws"), [("dcp", 3, 2), ("torchsnapshot", 3, 2)])
 def test_restore_into_other_world_size(tmp_path, backend, save_ws, load_ws):
     ckpt = tmp_path / "ckpt"
     saved = digests(
@@ -38,10 +58,10 @@ def test_restore_into_other_world_size(tmp_path, backend, save_ws, load_ws):
     assert loaded["6"] == saved["end"]
 
 
-def test_torchsnapshot_refuses_to_grow(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    train(tmp_path, "--steps", "4", "--ckpt-dir", str(ckpt), "--ckpt-every", "4", "--backend", "torchsnapshot")
-    proc = train(tmp_path, "--devices", "3", "--steps", "5", "--resume", str(ckpt / "epoch=0-step=4.ckpt"), check=False)
+def test_torchsnapshot_refuses_to_grow(tmp_path, uninterrupted):
+    """A torchsnapshot checkpoint of 2 ranks does not restore onto 3: the error names the fix (dcp)."""
+    _, ckpt = uninterrupted("torchsnapshot")
+    proc = train(tmp_path, "--devices", "3", "--steps", "9", "--resume", str(ckpt / "epoch=0-step=8.ckpt"), check=False)
     assert proc.returncode != 0
     assert "cannot restore shards onto the new ranks of world size 3" in proc.stdout
     assert "checkpoint_backend='dcp'" in proc.stdout
