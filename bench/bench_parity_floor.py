@@ -170,7 +170,7 @@ def run_rank(args: argparse.Namespace) -> None:
     gathered = [None] * trainer.world_size
     dist.all_gather_object(gathered, probe.result())
     if trainer.is_global_zero:
-        print(RESULT + json.dumps({"devices": args.devices, "parity": [k, r, n], "ranks": gathered}), flush=True)
+        print(RESULT + json.dumps({"devices": args.devices, "parity": [k, r, n, parity.overlap], "ranks": gathered}), flush=True)
 
 
 def summarize(result: dict[str, Any]) -> list[str]:
@@ -182,8 +182,8 @@ def summarize(result: dict[str, Any]) -> list[str]:
             ours_cpu.append(oc)
             floor_cpu.append(fc)
         sent += rank["sent"]
-    k, r, n = result["parity"]
-    label = f"k{k}r{r}" + (f"n{n}" if n > 1 else "")
+    k, r, n, overlap = result["parity"]
+    label = f"k{k}r{r}" + (f"n{n}" if n > 1 else "") + ("" if overlap else "s")
     target = 1.3
     med = statistics.median
     return [f"{result['devices']:>5}  {label:<8}{med(sent) / 2**20:>11.2f}{1000 * med(ours_cpu):>10.1f}"
@@ -230,7 +230,7 @@ def main() -> None:
     print("\n".join(lines))
     print("ours: post_deltas + finish_deltas + vote, CPU ms of the process per commit; floor: index_select of old and new rows, XOR, "
           "all_to_all_single of the same bytes per destination, update_rows of the received bytes (sizes exchanged "
-          "beforehand, not counted); x cpu / x wall: ours / floor per rank and commit, median. Target: <= 1.3x.")
+          "beforehand, not counted); x cpu / x wall: ours / floor per rank and commit, median. Target: <= 1.3x. A trailing s: overlap=False.")
     print(f"wall {time.time() - started:.0f} s")
 
 
