@@ -83,7 +83,10 @@ def _writer(url: str, worker: int, jobs: int, barrier) -> None:
 @pytest.mark.slow
 def test_concurrent_writers_in_separate_processes(tmp_path):
     url = resolve_url(tmp_path / "shared.sqlite")
-    ctx = mp.get_context("fork")  # each child opens its own engine
+    # Each child opens its own engine. Spawned, not forked: a child forked from this multi-threaded process (torch
+    # and gloo threads of earlier tests) can inherit a lock another thread held. Once, under load, one forked writer
+    # never finished its first transaction and the three others timed out after 60 s on "database is locked".
+    ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(4)
     procs = [ctx.Process(target=_writer, args=(url, w, 40, barrier)) for w in range(4)]
     for p in procs:
