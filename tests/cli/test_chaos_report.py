@@ -3,7 +3,8 @@ listens on the loopback interface only."""
 
 import psutil
 
-from lightning_dlrover.cli.chaos import _loopback_store, parse_args, summarize
+from lightning_dlrover.cli.chaos import _loopback_store, parse_args
+from lightning_dlrover.cli.chaos_report import summarize
 from lightning_dlrover.monitor.events import Event
 
 
@@ -83,3 +84,24 @@ def test_in_process_recovery_is_reported_with_its_split():
     assert got["decode"] == "0.040 s" and got["time to resume"].startswith("1.00 s")
     assert got["steps lost"] == "0" and got["digest match"] == "yes"
     assert got["restored state equals the fault-free state at step 12"] == "yes"
+
+
+def test_a_recovery_that_fails_again_before_training_on_is_not_counted():
+    """Three kills: the first recovery trains on (a step is committed), the second fails again before any commit
+    (a new plan follows it), the third ends in a full restart: one recovery in process, one full restart."""
+    def recovered(t: float, lost_at: float) -> Event:
+        return event("recovered_in_process", t, 12, rank=0, survivor=True, failed_at=lost_at + 0.01, connected_at=t,
+                     restored_at=t, lost_ranks=[1], decode_s=0.01, reshard_s=0.0, lost_at=lost_at)
+
+    kill = dict(rank=1, phase="before_forward", target="rank", signal="SIGKILL", committed_step=12)
+    events = [
+        event("fault_injected", 100.0, 12, **kill), event("replacement_planned", 100.1, lost_ranks=[1]),
+        recovered(100.4, 100.02), event("resumed", 101.0, 13),
+        event("fault_injected", 110.0, 20, **kill), event("replacement_planned", 110.1, lost_ranks=[1]),
+        recovered(110.4, 110.02), event("replacement_planned", 111.0, lost_ranks=[1]),
+        event("fault_injected", 120.0, 24, **kill), event("restarting_all", 120.1, reason="no_survivor"),
+        event("resumed", 130.0, 25), event("digest", 140.0, 30, digest="f" * 64, final=True),
+    ]
+    args = parse_args(["--in-process", "--nodes", "1", "--kill-rank", "1", "--at-step", "12"])
+    got = dict(line.split(": ", 1) for line in summarize(args, True, events, REFERENCE))
+    assert got["kills"] == "3; recovered in process: 1; full restarts: 1"

@@ -1,0 +1,109 @@
+"""The report of a ``lightning-dlrover chaos`` drill, computed from the jobs' structured events (never from their
+logs): recovered or not and how, detection and resume times, steps lost, and the digests against the fault-free run."""
+
+from __future__ import annotations
+
+import argparse
+
+from lightning_dlrover.monitor.events import Event
+
+
+def _digests(events: list[Event], after: float = 0.0) -> dict[int, str]:
+    """``{step: digest}`` of the per-step digests recorded after time ``after`` (the first one of each step)."""
+    found: dict[int, str] = {}
+    for e in events:
+        if e.kind == "digest" and not e["final"] and e.time >= after:
+            found.setdefault(e.step, e["digest"])
+    return found
+
+
+def _describe_recovery(e: Event) -> str:
+    if e.kind == "recovered_in_process":
+        return (f"yes, in process (survivors kept training in their processes; ranks {e['lost_ranks']} replaced; "
+                f"recovered step {e.step}; decode {e['decode_s']:.3f} s, re-shard {e['reshard_s']:.3f} s)")
+    if e.kind == "restored":
+        lost = f"decoded lost ranks {e['lost_ranks']}" if e["lost_ranks"] else "no rank lost"
+        return (f"yes, from survivors' spills (recovered step {e.step} of a {e['old_world_size']}-rank job onto "
+                f"{e['world_size']} ranks: {lost} (decode {e['decode_s']:.3f} s, re-shard {e['reshard_s']:.3f} s))")
+    if e["checkpoint"] is None:
+        return f"no checkpoint: started over from step 0 ({e['why']})"
+    return f"from the last checkpoint ({e['why']} Resuming from {e['checkpoint']} at step {e.step})"
+
+
+def summarize(args: argparse.Namespace, finished: bool, events: list[Event], reference: list[Event] | None) -> list[str]:
+    """The report's lines, computed from the jobs' events: recovered or not, detection time, time to resume,
+    steps lost (the last committed step before the kill against the step the job resumed at), and whether the
+    restored and final states equal the fault-free run's."""
+    injected = [e for e in events if e.kind == "fault_injected"]
+    kill = injected[0] if injected else None
+    after = kill.time if kill else 0.0
+    in_process = [e for e in events if e.kind == "recovered_in_process" and e.time >= after]
+    generations = sorted({e["lost_at"] for e in in_process if e["lost_at"] is not None})
+    confirmed = _resumed_generations(events, in_process, generations)
+    in_process = [e for e in in_process if generations and e["lost_at"] == generations[0]]  # the first kill's
+    recoveries = [e for e in events if e.kind in ("restored", "fallback") and e.time >= after]
+    if in_process and (not recoveries or in_process[0].time < recoveries[0].time):  # the first kill's recovery first
+        recoveries = [e for e in in_process if e.rank == min(x.rank for x in in_process)] + recoveries
+    stopped = [e.time for e in events if e.kind == "stopped" and e.time >= after]
+    stopped += [e["failed_at"] for e in in_process if e["failed_at"] is not None]
+    resumed = [e.time for e in events if e.kind == "resumed" and e.time >= after]
+    finals = [e["digest"] for e in events if e.kind == "digest" and e["final"]]
+    fault_free = ([e["digest"] for e in reference if e.kind == "digest" and e["final"]] or [None])[-1] if reference else None
+    victim = "every rank" if args.kill_all else f"rank {args.kill_rank}" if args.in_process else f"node {args.kill_node}"
+    lines = [
+        f"nodes: {args.nodes} x {args.nproc_per_node} ranks; killed {victim} at step {args.at_step} ({args.phase}); "
+        f"replacement: {f'a hot spare ({args.spares} per node)' if args.in_process and args.spares else 'started cold' if args.in_process else 'yes' if args.replace else 'no' if args.kill_all else 'no (shrink)'}"
+        + (f", a node rejoins {args.rejoin_after} s after it resumed" if args.rejoin_after is not None else ""),
+        f"node killed: {'yes' if kill is not None else 'no'}",
+    ]
+    lines += [f"recovered: {_describe_recovery(e)}" for e in recoveries] or ["recovered: no"]
+    first = recoveries[0] if recoveries else None
+    if first is not None:
+        lines.append(f"resumed at step: {first.step}")
+        expected = _digests(reference or []).get(first.step)
+        restored = _digests(events, after=first.time).get(first.step)
+        verdict = ("yes" if restored == expected else "no") if expected and restored else "no (cannot confirm: " + (
+            "no fault-free run" if not reference else "no digest of that step") + ")"
+        lines.append(f"restored state equals the fault-free state at step {first.step}: {verdict}")
+    if kill is not None and stopped:
+        lines.append(f"detection: {min(stopped) - kill.time:.2f} s (kill to the first survivor stopping)")
+    if kill is not None and in_process and stopped:
+        joined = [e["connected_at"] for e in in_process if not e["survivor"]]
+        if joined:
+            lines.append(f"replacement ready: {max(joined) - min(stopped):.2f} s after detection (the spare took the "
+                         "rank, set up its trainer and sharded its model)")
+        lines.append(f"decode: {max(e['decode_s'] + e['reshard_s'] for e in in_process):.3f} s")
+    if kill is not None and first is not None:
+        what = "replacement, communicator, decode" if in_process else "restart, rendezvous, decode, re-shard"
+        lines.append(f"state restored: {first.time - kill.time:.2f} s after the kill ({what})")
+    if kill is not None and resumed:
+        lines.append(f"time to resume: {resumed[0] - kill.time:.2f} s (kill to the first committed step after)")
+    committed = kill["committed_step"] if kill is not None else None
+    lost = committed - first.step if first is not None and committed is not None else "unknown"
+    lines.append(f"last committed step before the kill: {committed if committed is not None else 'unknown'}")
+    lines.append(f"steps lost: {lost}")
+    if kill is not None and first is not None and kill.step is not None:
+        lines.append(f"steps trained again: {kill.step - first.step} (the step in flight and any since the last commit)")
+    if len(injected) > 1:
+        restarts = sum(e.kind == "restarting_all" for e in events)
+        lines.append(f"kills: {len(injected)}; recovered in process: {confirmed}; full restarts: {restarts}")
+    lines.append(f"job finished: {'yes' if finished else 'no'}")
+    lines.append(f"final digest: {finals[-1] if finals else 'none'}")
+    if fault_free is not None:
+        lines.append(f"fault-free digest: {fault_free}")
+    match = bool(finals) and fault_free is not None and finals[-1] == fault_free and finished
+    lines.append(f"digest match: {'yes' if match else 'no'}{'' if reference else ' (no fault-free run to compare)'}")
+    return lines
+
+
+def _resumed_generations(events: list[Event], in_process: list[Event], generations: list[float]) -> int:
+    """How many in-process recoveries trained on: a step was committed after one and before the next failure's
+    handling (a recovery that then failed again is not counted)."""
+    handling = sorted(e.time for e in events if e.kind in ("replacement_planned", "restarting_all"))
+    resumed = [e.time for e in events if e.kind == "resumed"]
+    count = 0
+    for generation in generations:
+        done = max(e.time for e in in_process if e["lost_at"] == generation)
+        until = next((t for t in handling if t > done), float("inf"))
+        count += any(done <= t < until for t in resumed)
+    return count
