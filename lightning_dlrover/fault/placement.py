@@ -29,8 +29,9 @@ class ParityConfig:
             one delta, and a failure resumes at the last commit (at most ``N - 1`` steps are trained again).
         overlap: a commit's deltas travel while Lightning fetches the next batch (and runs epoch-end hooks); the
             commit is decided (deltas folded in, the vote) just before the next step's forward. The recovery
-            point is the same as without overlap: the last step every rank voted for. ``False``: the whole
-            commit runs at the end of its step.
+            point is the same as without overlap: the last step every rank voted for (so between a step's end and
+            the next forward, ``committed_step`` is one behind ``global_step``). ``False``: the whole commit runs
+            at the end of its step.
     """
 
     k: int = 2

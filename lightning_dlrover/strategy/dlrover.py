@@ -151,7 +151,8 @@ class DLRoverStrategy(DDPStrategy):
 
     @property
     def committed_step(self) -> int:
-        """The last step every rank's state is committed at (see :class:`~lightning_dlrover.fault.FaultManager`)."""
+        """The last step every rank's state is committed at (see :class:`~lightning_dlrover.fault.FaultManager`; with
+        ``ParityConfig(overlap=True)`` a step's commit is decided just before the next forward)."""
         return self.fault.committed_step
 
     @property
