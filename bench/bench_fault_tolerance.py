@@ -694,7 +694,7 @@ def print_checkpointing(runs: list[Run], args: argparse.Namespace) -> None:
         for backend, saves in base.saves.items():
             save_s = statistics.median(saves)
             parts = []
-            for n in (1, 10):
+            for n in sorted({1, 10, run.parity[2]}):  # the commit interval N: checkpointing as often as parity commits
                 ckpt = save_s / n
                 parts.append(f"vs every {n:>2} step(s): {parity / ckpt:.3f} ({less(parity / ckpt)}) "
                              f"[{e2e / ckpt:.3f}]")
