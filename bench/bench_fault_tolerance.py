@@ -10,8 +10,8 @@ started by Lightning's popen launcher (the script re-runs itself per rank) in it
    a step is the wall time from the end of one step's ``on_train_batch_end`` to the next (data
    loading included). Per step the strategy's ``step_timer`` sections are popped at
    ``on_train_batch_end`` (no ``ThroughputMonitor`` runs): ``parity`` is
-   ``FaultManager.end_step`` (``CodedEmbeddings.send_deltas``, the vote, the dense and trainer-state
-   snapshots, once the batch is over: counted in the next step); ``capture``
+   ``FaultManager.end_step`` and ``begin_step`` (``CodedEmbeddings.post_deltas``/``finish_deltas``,
+   the vote, the dense and trainer-state snapshots, once the batch is over: counted in the next step); ``capture``
    is the forward pre-hook that records the touched rows and their undo log (``CodedState._touch``,
    timed by this script through a wrapper, inside the forward pass). "parity % step" is
    (parity + capture) / step time of the same run; "x none" is the throughput ratio to the
@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--victim", type=int, default=1, help="rank lost in the recovery drill (default: 1)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each recovery measurement (default: 3)")
     parser.add_argument("--profile-steps", type=int, default=8,
-                        help="extra steps of every parity run with send_deltas + commit under cProfile on rank 0, and one profiled "
+                        help="extra steps of every parity run with post/finish_deltas + commit under cProfile on rank 0, and one profiled "
                              "recovery in the drill (0: no profiles; default: 8)")
     parser.add_argument("--profile-top", type=int, default=12, help="functions shown per profile (default: 12)")
     parser.add_argument("--malloc", choices=list(MALLOC_SETTINGS), default="tuned",
@@ -226,7 +226,7 @@ def instrument(obj: Any, name: str, label: str, cpu: dict[str, float], timer: An
 
 @dataclass
 class Bench(pl.Callback):
-    """Per-step wall time and step-timer sections; checkpoint saves and send_deltas + commit profiling after the timed steps."""
+    """Per-step wall time and step-timer sections; checkpoint saves and post/finish_deltas + commit profiling after the timed steps."""
 
     args: argparse.Namespace
     tmp: Path | None = None
@@ -566,7 +566,7 @@ class Run:
 
     @property
     def cpu_parity_ms(self) -> float:
-        """CPU ms per step of send_deltas + commit + capture of one rank's process (mean over ranks)."""
+        """CPU ms per step of post/finish_deltas + commit + capture of one rank's process (mean over ranks)."""
         return 1000 * statistics.fmean(p + c for p, c in zip(self.cpu_parity_s, self.cpu_capture_s))
 
     @property
@@ -635,10 +635,10 @@ def print_throughput(runs: list[Run], args: argparse.Namespace) -> None:
               f"{run.cpu_step_ms:>8.1f}{cpu_ratio:>11}{run.cpu_parity_ms:>8.1f}{pct(run.cpu_share):>7}"
               f"{pct(target) if target else '-':>8}{run.delta_kib:>9.0f}  {ok}")
     print("x none: throughput / no-parity throughput at the same ranks (end-to-end); parity ms: step_timer's parity "
-          "section (send_deltas + commit + dense snapshot), capture ms: undo-log capture in the forward hooks, both wall ms per "
+          "section (post/finish_deltas + commit + dense snapshot), capture ms: undo-log capture in the forward hooks, both wall ms per "
           "step, mean over ranks; max rank: the slowest rank's parity + capture; % step: (parity + capture) / mean "
           "step time. cpu ms: CPU time per step of a rank's process (all its threads); cpu x none: no-parity cpu ms / "
-          "this run's (CPU-time throughput ratio, robust to a busy machine); par cpu: CPU time of send_deltas + commit + capture; "
+          "this run's (CPU-time throughput ratio, robust to a busy machine); par cpu: CPU time of post/finish_deltas + commit + capture; "
           "% cpu: their ratio (means over ranks). With more ranks than cores, wall sections include waiting for "
           "the other ranks' CPU share. KiB/step: row-delta bytes a rank sends per step (kNrM: a commit every N steps, "
           "deltas of a row touched several times in the window sent once; targets at N = 16: 5% at r = 1, 8% at r = 2).")
@@ -790,7 +790,7 @@ def print_runs(done: list[tuple[int, Run]]) -> None:
               f"{run.cpu_step_ms:>8.1f}{cpu_parity:>8}{delta:>10}{saves:>18}{run.wall_s:>8.0f}")
     backends = next(("/".join(run.saves) for _, run in done if run.saves), "none")
     print("parity ms: parity + capture wall ms per step (mean over ranks); cpu ms, par cpu: CPU ms per step of a "
-          "rank's process and of its send_deltas + commit + capture; delta KiB: old XOR new bytes of the touched rows per step "
+          "rank's process and of its post/finish_deltas + commit + capture; delta KiB: old XOR new bytes of the touched rows per step "
           f"and rank (each goes to r parity holders); saves s: median save per backend ({backends}).")
 
 

@@ -6,9 +6,10 @@ Commit protocol (one training step ``s``; ``committed_step`` is ``s - 1`` before
    bytes (weights and optimizer state) in the rank's undo log, before the in-backward optimizer runs
    (every forward of the step: several forwards, or manual optimisation, are covered).
 2. Backward(s) and optimizer step(s) update those rows in place.
-3. :meth:`CodedEmbeddings.send_deltas`, once per step whatever the number of backward passes and
-   optimizer calls: every rank sends ``old XOR new`` of its touched rows to the parity holders of their
-   groups; each holder folds them into its parity and keeps them as its own undo log (XOR is its own inverse).
+3. :meth:`CodedEmbeddings.post_deltas` and :meth:`~CodedEmbeddings.finish_deltas`, once per step whatever
+   the number of backward passes and optimizer calls: every rank sends ``old XOR new`` of its touched rows to
+   the parity holders of their groups; each holder folds them into its parity and keeps them as its own undo
+   log (XOR is its own inverse).
 4. :meth:`CodedEmbeddings.commit`: a vote (an all-gather of every rank's ballot) that every rank reaches only
    after applying every delta it received. When it completes, step ``s`` is committed: undo logs are dropped
    and ``committed_step = s``. :class:`~lightning_dlrover.fault.FaultManager` starts step 3 once the whole
@@ -52,7 +53,7 @@ class CodedEmbeddings:
         self.code = ReedSolomonCode(placement.k, placement.r)
         self.parity = torch.zeros(placement.r, state.chunk_len, dtype=torch.uint8)
         self.committed_step = -1
-        #: Bytes of the messages the last :meth:`send_deltas` sent.
+        #: Bytes of the messages the last :meth:`post_deltas` sent.
         self.sent_bytes = 0
         self._pending: list[tuple[int, int, Tensor, int, int, int, int]] = []  # blocks applied since the commit
         k, r, me = placement.k, placement.r, self.rank
@@ -97,16 +98,11 @@ class CodedEmbeddings:
         self.state.commit()
         self._pending.clear()
 
-    def send_deltas(self) -> None:
-        """Sends the row deltas since the last commit to their parity holders and folds in the ones received
-        (pairwise with the fixed parity partners, one round, no collective): :meth:`post_deltas` then
-        :meth:`finish_deltas`. The step stays undoable (:meth:`rollback`) until :meth:`commit`."""
-        self.post_deltas()
-        self.finish_deltas()
-
     def post_deltas(self) -> None:
-        """Builds the delta messages and starts sending them; returns at once (:meth:`finish_deltas` waits). The
-        tables may be read, not written, until then: the next step's forward must wait.
+        """Sends the row deltas since the last commit to their parity holders (pairwise with the fixed parity
+        partners, one round, no collective) and returns at once; :meth:`finish_deltas` waits and folds in the ones
+        received. The tables may be read, not written, until then (the next step's forward must wait), and the step
+        stays undoable (:meth:`rollback`) until :meth:`commit`.
 
         Each delta is written once, straight into the message to its first parity holder (one gather-XOR pass of the
         new rows against the undo log); further holders (``r > 1``) get a copy. A message is int64 words ``length,
@@ -168,14 +164,9 @@ class CodedEmbeddings:
                 self._apply(*block)
                 self._pending.append(block)
 
-    @property
-    def deltas_in_flight(self) -> bool:
-        """Whether deltas were posted and not finished."""
-        return self._mailbox.posted
-
     def commit(self, step: int, ballot: Tensor) -> list[Tensor]:
         """The vote: an all-gather of every rank's ``ballot`` (uint8, the same size on every rank), reached by
-        every rank only after :meth:`send_deltas`. When it completes, ``step`` is committed; returns the ballots."""
+        every rank only after :meth:`finish_deltas`. When it completes, ``step`` is committed; returns the ballots."""
         ballots = [torch.empty_like(ballot) for _ in range(self.placement.world_size)]
         dist.all_gather(ballots, ballot)
         self.state.commit()
@@ -185,7 +176,7 @@ class CodedEmbeddings:
 
     @staticmethod
     def _blocks(message: Tensor) -> list[tuple[int, int, Tensor, int, int, int, int]]:
-        """Parses a delta message (see :meth:`send_deltas`): ``(p, c, message, slots_at, n, row_bytes, data_at)``
+        """Parses a delta message (see :meth:`post_deltas`): ``(p, c, message, slots_at, n, row_bytes, data_at)``
         per block (byte offsets into the message)."""
         count = int(message[8:16].view(torch.int64))
         descriptors = message[16 : 16 + 32 * count].view(torch.int64).view(count, 4).tolist()

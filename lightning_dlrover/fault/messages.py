@@ -96,7 +96,7 @@ class Mailbox:
             if message.numel() > capacity:
                 sending.append(dist.isend(message[capacity:], dst, tag=1))
                 self._capacity_out[dst] = self._grown(capacity, message.numel())
-        self._posted = (receives, sending, list(sends.values()))
+        self._posted = (receives, sending, list(sends.values()))  # the messages live until sent
 
     def collect(self) -> dict[int, Tensor]:
         """Waits for the posted exchange; returns each source's message."""
