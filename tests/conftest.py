@@ -110,7 +110,6 @@ def pytest_unconfigure(config):
     """
     if not _session_status:
         return  # no session ran (a usage error): exit as pytest would
-    reap(multiprocessing.active_children())
     stuck = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     if stuck:
         print(f"non-daemon threads alive at the end of the session (not waited for): {stuck}", file=sys.stderr)
