@@ -69,29 +69,38 @@ class FloorProbe(pl.Callback):
         coded = trainer.strategy.fault.coded
         self.coded, self.code = coded, ReedSolomonCode(coded.placement.k, coded.placement.r)
         self.scratch = torch.zeros_like(coded.parity)
-        post, finish, vote = coded.post_deltas, coded.finish_deltas, coded.commit
+        post, finish, vote, decide = coded.post_deltas, coded.finish_deltas, coded.vote, coded.decide
 
         def timed_post() -> None:
             with Timed() as t:
                 post()
             self._pending = t
 
-        def timed_finish() -> None:
-            with Timed() as t:
-                finish()
+        def add(t: Timed) -> None:
             if self._pending is not None:
                 self._pending.wall += t.wall
                 self._pending.cpu += t.cpu
 
+        def timed_finish() -> None:
+            with Timed() as t:
+                finish()
+            add(t)
+
         def timed_vote(*args: Any) -> Any:
             with Timed() as t:
                 out = vote(*args)
-            if self._pending is not None and self._timed(trainer):
-                self.ours.append((self._pending.wall + t.wall, self._pending.cpu + t.cpu))
-            self._pending = None
+            add(t)
             return out
 
-        coded.post_deltas, coded.finish_deltas, coded.commit = timed_post, timed_finish, timed_vote
+        def timed_decide(*args: Any) -> None:
+            with Timed() as t:
+                decide(*args)
+            add(t)
+            if self._pending is not None and self._timed(trainer):
+                self.ours.append((self._pending.wall, self._pending.cpu))
+            self._pending = None
+
+        coded.post_deltas, coded.finish_deltas, coded.vote, coded.decide = timed_post, timed_finish, timed_vote, timed_decide
 
     def _timed(self, trainer: pl.Trainer) -> bool:
         return self.first < trainer.global_step <= self.last

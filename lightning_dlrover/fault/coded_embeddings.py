@@ -20,7 +20,9 @@ Commit protocol (one training step ``s``; ``committed_step`` is ``s - 1`` before
 
 A failure before the vote completes leaves step ``s`` uncommitted everywhere; :meth:`rollback` undoes
 it on the survivors (rows restored from the undo log, received deltas re-applied), so data and parity
-are again those of step ``s - 1``, and the lost ranks are decoded at that step. Only touched rows travel.
+are again those of step ``s - 1``, and the lost ranks are decoded at that step. A failure *during* the
+all-gather can leave some survivors committed and others not: in-process recovery then has the others
+:meth:`decide` step ``s`` too, which is safe because every rank had voted. Only touched rows travel.
 """
 
 from __future__ import annotations
@@ -165,14 +167,25 @@ class CodedEmbeddings:
                 self._pending.append(block)
 
     def commit(self, step: int, ballot: Tensor) -> list[Tensor]:
+        """:meth:`vote` then :meth:`decide`: commits ``step``; returns every rank's ballot."""
+        ballots = self.vote(ballot)
+        self.decide(step)
+        return ballots
+
+    def vote(self, ballot: Tensor) -> list[Tensor]:
         """The vote: an all-gather of every rank's ``ballot`` (uint8, the same size on every rank), reached by
-        every rank only after :meth:`finish_deltas`. When it completes, ``step`` is committed; returns the ballots."""
+        every rank only after :meth:`finish_deltas`. Once it returns on any rank, every rank had folded in its
+        deltas, so the step is decided for all, including a rank whose own all-gather broke before it returned."""
         ballots = [torch.empty_like(ballot) for _ in range(self.placement.world_size)]
         dist.all_gather(ballots, ballot)
+        return ballots
+
+    def decide(self, step: int) -> None:
+        """Commits ``step`` on this rank: undo logs dropped (after the vote; or in recovery, on a rank whose vote
+        broke after another rank's vote completed)."""
         self.state.commit()
         self._pending.clear()
         self.committed_step = step
-        return ballots
 
     @staticmethod
     def _blocks(message: Tensor) -> list[tuple[int, int, Tensor, int, int, int, int]]:

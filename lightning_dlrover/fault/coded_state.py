@@ -173,10 +173,13 @@ class CodedState:
     def share_layout(self) -> None:
         """Gathers every rank's segment specs and agrees on the chunk length (collective; a rank joining a running
         job builds its state while the others call this again)."""
+        layouts: list[list[SegmentSpec]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(layouts, self.specs)
+        chunk_len = self._agree_chunk_len(layouts)
+        # Set only once agreed: a rank whose recovery breaks in here still spills its last complete layout.
         #: Every rank's segment specs, by rank (a recovery needs the layout of lost ranks).
-        self.layouts: list[list[SegmentSpec]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(self.layouts, self.specs)
-        self.chunk_len = self._agree_chunk_len()
+        self.layouts = layouts
+        self.chunk_len = chunk_len
 
     @staticmethod
     def _spec(segment: Segment, by_address: dict[int, SegmentSpec]) -> SegmentSpec:
@@ -195,10 +198,10 @@ class CodedState:
         """Bytes of coded state on this rank."""
         return sum(s.rows * s.row_bytes for s in self.segments)
 
-    def _agree_chunk_len(self) -> int:
+    def _agree_chunk_len(self, layouts: list[list[SegmentSpec]]) -> int:
         """The smallest chunk length, a multiple of every rank's row sizes, that fits every rank's rows in ``k`` chunks."""
         row_sizes = sorted({s.row_bytes for s in self.segments if s.rows})
-        align = math.lcm(1, *(spec.row_bytes for specs in self.layouts for spec in specs if spec.rows))
+        align = math.lcm(1, *(spec.row_bytes for specs in layouts for spec in specs if spec.rows))
         chunk_len = math.ceil(self.num_bytes / self.k / align) * align or align
         step = max(align, math.ceil(len(self.segments) * max(row_sizes, default=1) / self.k / align) * align)
         while (pieces := chunk_layout(self.specs, chunk_len)) and pieces[-1].chunk >= self.k:

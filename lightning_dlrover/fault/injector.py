@@ -32,6 +32,9 @@ The phases of a step, in order:
   with parity, nothing of the step is committed yet).
 - ``during_parity_commit``: inside the parity commit, after this rank sent its row deltas and folded in the
   ones it received, before the vote that commits the step (needs ``DLRoverStrategy(parity=...)``).
+- ``during_vote``: after this rank's all-gather of the vote returned, before it records the commit (needs
+  parity). With ``signal=error`` the rank raises ``RuntimeError`` there instead of dying, as a rank does whose
+  all-gather broke under it (a peer lost mid-vote) while the other ranks' completed.
 
 and one outside the step: ``during_recovery``, on a rank that survived a loss, inside an in-process recovery
 (``lightning-dlrover launch``) once the communicator was rebuilt and before the committed state is restored;
@@ -57,13 +60,13 @@ from lightning_dlrover.monitor.events import emit
 #: Environment variable read by :meth:`FaultInjector.from_env`.
 FAULT_ENV = "LIGHTNING_DLROVER_FAULT"
 #: The fault points of a training step, in the order they are reached.
-PHASES = ("before_forward", "after_optimizer", "during_parity_commit")
+PHASES = ("before_forward", "after_optimizer", "during_parity_commit", "during_vote")
 #: Fault points outside a training step (see the module docs).
 RECOVERY_PHASES = ("during_recovery",)
-#: Signals the injector can send.
-SIGNALS = ("SIGKILL", "SIGTERM")
+#: Signals the injector can send; ``error`` raises ``RuntimeError`` in the rank instead (it does not die).
+SIGNALS = ("SIGKILL", "SIGTERM", "error")
 TARGETS = ("rank", "node", "all")
-ENV_FORMAT = "rank=R[+R...],step=S,phase=P[,signal=SIGKILL|SIGTERM] or step=S,phase=P,target=node|all"
+ENV_FORMAT = "rank=R[+R...],step=S,phase=P[,signal=SIGKILL|SIGTERM|error] or step=S,phase=P,target=node|all"
 
 
 class FaultInjector(pl.Callback):
@@ -72,9 +75,11 @@ class FaultInjector(pl.Callback):
     Args:
         rank: global rank to kill, or a list of ranks that die at the same point (ignored with ``target="node"``).
         step: 0-based index of the training step: the one that runs while ``trainer.global_step == step``.
-        phase: ``"before_forward"``, ``"after_optimizer"`` or ``"during_parity_commit"`` (see the module docs).
-        signal: ``"SIGKILL"`` (the process dies at once, as on a lost machine) or ``"SIGTERM"`` (the process's
-            handlers run first: Lightning's stops the trainer on that rank).
+        phase: ``"before_forward"``, ``"after_optimizer"``, ``"during_parity_commit"`` or ``"during_vote"`` (see
+            the module docs).
+        signal: ``"SIGKILL"`` (the process dies at once, as on a lost machine), ``"SIGTERM"`` (the process's
+            handlers run first: Lightning's stops the trainer on that rank) or ``"error"`` (raises ``RuntimeError``
+            as a broken collective does; the process lives on).
         target: ``"rank"``; ``"node"``: SIGKILL this worker's ``torchrun`` agent and all its workers; ``"all"``:
             every rank kills itself (see the module docs).
 
@@ -94,6 +99,8 @@ class FaultInjector(pl.Callback):
             raise ValueError(f"FaultInjector phase={phase!r} is not one of {list(PHASES + RECOVERY_PHASES)}.")
         if signal not in SIGNALS:
             raise ValueError(f"FaultInjector signal={signal!r} is not one of {list(SIGNALS)}.")
+        if signal == "error" and target != "rank":
+            raise ValueError(f"FaultInjector signal='error' raises in one rank; target={target!r} needs a real signal.")
         ranks = list(rank) if isinstance(rank, (list, tuple)) else [rank]
         for name, value in [*(("rank", r) for r in ranks), ("step", step)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -171,9 +178,9 @@ class FaultInjector(pl.Callback):
                 f"{self!r} needs DLRoverStrategy, which calls its fault points during training; the trainer's "
                 f"strategy is {type(strategy).__name__}. Use Trainer(strategy=DLRoverStrategy(...))."
             )
-        if self.phase == "during_parity_commit" and getattr(strategy, "parity", None) is None:
+        if self.phase in ("during_parity_commit", "during_vote") and getattr(strategy, "parity", None) is None:
             raise ValueError(
-                f"{self!r}: phase 'during_parity_commit' is only reached with parity on. Pass "
+                f"{self!r}: phase {self.phase!r} is only reached with parity on. Pass "
                 f"DLRoverStrategy(parity=ParityConfig(k, r)) or choose one of {[p for p in PHASES if p != self.phase]}."
             )
         if self.target == "rank" and max(self.ranks) >= strategy.world_size:
@@ -203,6 +210,10 @@ class FaultInjector(pl.Callback):
         sys.stderr.flush()
         emit("fault_injected", step=step, phase=phase, target=self.target, signal=self.signal,
              committed_step=getattr(self._strategy, "committed_step", None))
+        if self.signal == "error":
+            print(f"FaultInjector: raising RuntimeError on rank {rank} (pid {pid}) at step {step}, phase {phase}",
+                  file=sys.stderr, flush=True)
+            raise RuntimeError(f"FaultInjector: injected error on rank {rank} at step {step}, phase {phase}")
         if self.target == "node":
             agent = psutil.Process(os.getppid())
             workers = [p for p in agent.children() if p.pid != pid]

@@ -35,7 +35,7 @@ from lightning_dlrover.fault.coded_state import CodedState
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.launcher import under_torchrun
 from lightning_dlrover.fault.placement import ParityConfig, ParityPlacement
-from lightning_dlrover.fault.recovery import RecoveryReport, Unrecoverable
+from lightning_dlrover.fault.recovery import RecoveryReport, Unrecoverable, agree_on_step
 from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot
 from lightning_dlrover.fault.resume import fall_back, restore_failed_job
 from lightning_dlrover.fault.spill import (
@@ -70,8 +70,8 @@ class FaultManager:
         self.committed_step = -1
         #: Whether the start restored a failed job (from survivors' spills or a fallback checkpoint).
         self.recovered = False
-        #: Called as ``point(phase, step)`` at ``before_forward``, ``after_optimizer`` and ``during_parity_commit``
-        #: of the step in flight (``step``: its index, the ``global_step`` it started at), and at ``after_commit``
+        #: Called as ``point(phase, step)`` at ``before_forward``, ``after_optimizer``, ``during_parity_commit`` and
+        #: ``during_vote`` of the step in flight (``step``: its index, the ``global_step`` it started at), and at ``after_commit``
         #: with ``step`` the committed step.
         self.fault_points: list[Callable[[str, int], None]] = []
         self._host: Host | None = None
@@ -83,6 +83,7 @@ class FaultManager:
         self._pending_rank_state: Tensor | None = None  # restored rank state, generators applied before the first resumed step
         self._in_flight: int | None = None  # index of the step in flight
         self._deciding: tuple[int, int, dict[str, Any], Tensor] | None = None  # a posted commit: index, step, meta, ballot
+        self._voted = -1  # the step whose vote this rank entered and did not see complete (-1: none)
         self._announce_resume = False
         self._progress: ProgressRecord | None = None
         self._spill_dir: Path | None = None
@@ -233,7 +234,11 @@ class FaultManager:
         with self.timer.section("parity"):
             self.coded.finish_deltas()
             self.reach("during_parity_commit", index)
-            ballots = self.coded.commit(step, ballot)
+            self._voted = step  # a failure from here on may leave other ranks committed (see :meth:`rejoin`)
+            ballots = self.coded.vote(ballot)
+            self.reach("during_vote", index)
+            self.coded.decide(step)
+            self._voted = -1
             self._dense.promote()
             self._meta, self._rank_states = meta, torch.stack(ballots)
         self._deciding = None
@@ -262,7 +267,7 @@ class FaultManager:
     def after_checkpoint_load(self, meta: dict[str, Any]) -> None:
         """A checkpoint was loaded into the model: re-encode parity, restore every rank's generators and buffers;
         its step is the committed one until the next commit."""
-        self._deciding = None
+        self._deciding, self._voted = None, -1
         if self.coded is not None:
             self.coded.encode()
         self.committed_step, self._meta = meta["global_step"], dict(meta)
@@ -302,7 +307,7 @@ class FaultManager:
     def _committed_spill(self) -> Spill:
         """This rank's coded state and the trainer's state at the last commit (the step in flight rolled back)."""
         assert self.coded is not None and self._host is not None and self._dense is not None
-        self._deciding = None  # a commit still in flight is not decided: every rank rolls it back
+        self._deciding, self._voted = None, -1  # a commit still in flight is not decided: this rank rolls it back
         self.coded.rollback()
         self._dense.restore()
         meta = self._committed_meta(self._host) if self._meta is not None else None
@@ -334,7 +339,7 @@ class FaultManager:
         committed step, from the survivors' shards and parity; dense state back to the commit (collective)."""
         if self.coded is None:
             raise RuntimeError("recover needs parity: pass DLRoverStrategy(parity=ParityConfig(...)).")
-        self._deciding = None
+        self._deciding, self._voted = None, -1
         self.coded.recover(sorted(set(lost_ranks)))
         assert self._dense is not None
         self._dense.restore()
@@ -344,11 +349,15 @@ class FaultManager:
         """Brings every rank back to the last committed step after the ``lost`` ranks were replaced in place
         (collective over the new communicator): every rank rolls back in memory, the replacements' embedding shards
         and parity share are decoded in place from the survivors', and the trainer, dense and rank states come from
-        the lowest surviving rank. Returns the report, whose ``meta`` is the trainer state to resume from."""
+        the lowest surviving rank that committed that step. A survivor whose vote broke while another's completed
+        commits that step too (:func:`~lightning_dlrover.fault.recovery.agree_on_step`). Returns the report,
+        whose ``meta`` is the trainer state to resume from."""
         if self.parity is None:
             raise Unrecoverable("in-process recovery needs parity (DLRoverStrategy(parity=ParityConfig(...))).",
                                 self.committed_step)
-        self._deciding = None
+        survivors = sorted(set(range(host.world_size)) - set(lost))
+        step, source, decide_here = agree_on_step(self.committed_step, self._voted, survivors)
+        self._deciding, self._voted = None, -1
         if survivor:  # mirrors the replacement's state construction (layouts, chunk length)
             assert self.coded is not None and self._dense is not None
             self.coded.state.share_layout()
@@ -359,12 +368,18 @@ class FaultManager:
         longest = torch.tensor([self._rank_state_len], dtype=torch.int64)
         dist.all_reduce(longest, op=dist.ReduceOp.MAX)
         self._rank_state_len = int(longest)
-        source = min(set(range(host.world_size)) - set(lost))
         committed: list[Any] = [None, None, None]
         if host.global_rank == source:
             committed = [self.committed_step, self._committed_meta(host), self._rank_states]
         dist.broadcast_object_list(committed, src=source)
         step, meta, rank_states = committed
+        if decide_here:  # with the step's trainer and rank states in hand, so a spill from here on is whole
+            assert self._dense is not None
+            self.coded.decide(step)
+            self._dense.promote()
+            self._dense.restore()
+            self.committed_step, self._meta, self._rank_states = step, dict(meta), rank_states
+            emit("vote_completed_elsewhere", step=step, message=f"rank {host.global_rank}: its vote broke; step {step} committed")
         started = time.perf_counter()
         self.coded.recover(sorted(lost))  # rolls back, decodes the lost ranks in place, re-encodes their parity
         self.coded.committed_step = step

@@ -42,6 +42,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "recovered_in_process": ("survivor", "lost_ranks", "decode_s", "reshard_s", "lost_at", "failed_at",
                              "connected_at", "restored_at"),  # every rank; times are Unix seconds
     "in_process_refused": ("why", "error"),
+    "vote_completed_elsewhere": (),  # a survivor whose vote broke commits the step (step) another survivor committed
     "node_lost": ("node", "ranks", "silent_s"),  # machine 0's launcher: another machine's launcher went silent
     "restarting_all": ("restarts", "failed_ranks", "reason"),  # reason: no_survivor | during_recovery | in_process_off
     # ResourceAdvisor (step: the global step it was decided at)

@@ -116,19 +116,40 @@ def test_a_loss_in_the_first_step_restarts_the_job_exactly(tmp_path, reference):
     assert digest == reference
 
 
-def test_two_ranks_lost_together_at_r2_are_replaced_in_one_recovery(tmp_path):
+THREE = ("--parity", "1,2")  # k=1, r=2 on 3 ranks
+
+
+@pytest.fixture(scope="module")
+def reference3(tmp_path_factory):
+    return fault_free(tmp_path_factory.mktemp("reference3") / "run", nproc=3, script_args=THREE)
+
+
+def test_two_ranks_lost_together_at_r2_are_replaced_in_one_recovery(tmp_path, reference3):
     """k=1, r=2 on 3 ranks: ranks 1 and 2 die at the same point; one hot spare and one cold process replace
     them in one plan, and rank 0, alone, hands them the state."""
-    three = ("--parity", "1,2")
-    reference = fault_free(tmp_path / "reference3", nproc=3, script_args=three)
-    digest, events, _ = launch(tmp_path, "double", "--spares", "1", nproc=3, script_args=three,
+    digest, events, _ = launch(tmp_path, "double", "--spares", "1", nproc=3, script_args=THREE,
                                fault="rank=1+2,step=5,phase=before_forward")
     planned = [e for e in events if e.kind == "replacement_planned"]
     assert len(planned) == 1 and planned[0].fields["lost_ranks"] == [1, 2], planned
     assert len(planned[0].fields["cold"]) == 1  # one hot spare, the other started cold
-    assert_recovered_in_process(events, digest, reference, step=5)
+    assert_recovered_in_process(events, digest, reference3, step=5)
     recovered = {e.rank: e.fields["survivor"] for e in events if e.kind == "recovered_in_process"}
     assert recovered == {0: True, 1: False, 2: False}
+
+
+def test_a_survivor_whose_vote_broke_commits_the_step_the_others_committed(tmp_path, reference3):
+    """Rank 1 dies just after the vote on step 6 completed on it; rank 2's all-gather breaks before it returns
+    (injected) while rank 0's completes, so rank 0 has committed step 6 and rank 2 has not. A completed vote
+    proves every rank had folded in its deltas: rank 2 commits step 6 too and the job resumes there, exactly
+    (rolling rank 2 back instead would leave the ranks on different steps)."""
+    digest, events, _ = launch(tmp_path, "vote", "--spares", "1", nproc=3, script_args=THREE,
+                               fault="rank=1,step=5,phase=during_vote;rank=2,step=5,phase=during_vote,signal=error")
+    kinds = [e.kind for e in events]
+    assert "restarting_all" not in kinds and "stopped" not in kinds, kinds
+    assert [(e.rank, e.step) for e in events if e.kind == "vote_completed_elsewhere"] == [(2, 6)]
+    recovered = {e.rank: (e.fields["survivor"], e.step) for e in events if e.kind == "recovered_in_process"}
+    assert recovered == {0: (True, 6), 1: (False, 6), 2: (True, 6)}, recovered
+    assert digest == reference3
 
 
 def two_machines(tmp_path, name: str, fault: str | None = None, spares: int = 1) -> tuple[str, list, int]:

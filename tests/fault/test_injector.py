@@ -78,8 +78,9 @@ def test_reads_environment(monkeypatch):
         ("rank=-1,step=5,phase=before_forward", "rank=-1 must be an integer >= 0"),
         ("rank=1,step=-2,phase=before_forward", "step=-2 must be an integer >= 0"),
         ("rank=1,step=5,phase=backward", "phase='backward' is not one of ['before_forward', 'after_optimizer', "
-                                         "'during_parity_commit', 'during_recovery']"),
-        ("rank=1,step=5,phase=before_forward,signal=SIGINT", "signal='SIGINT' is not one of ['SIGKILL', 'SIGTERM']"),
+                                         "'during_parity_commit', 'during_vote', 'during_recovery']"),
+        ("rank=1,step=5,phase=before_forward,signal=SIGINT", "signal='SIGINT' is not one of ['SIGKILL', 'SIGTERM', 'error']"),
+        ("step=5,phase=during_vote,signal=error,target=node", "target='node' needs a real signal"),
         ("step=5,phase=before_forward", "missing rank"),
         ("rank=1,step=5,phase=before_forward,target=rack", "target='rack' is not one of ['rank', 'node', 'all']"),
     ],
@@ -98,7 +99,7 @@ def test_bad_env_value(value, message):
         ({"rank": -1, "step": 1}, "rank=-1 must be an integer >= 0"),
         ({"rank": 0, "step": 2.0}, "step=2.0 must be an integer >= 0"),
         ({"rank": True, "step": 1}, "rank=True must be an integer >= 0"),
-        ({"rank": 0, "step": 1, "signal": "KILL"}, "signal='KILL' is not one of ['SIGKILL', 'SIGTERM']"),
+        ({"rank": 0, "step": 1, "signal": "KILL"}, "signal='KILL' is not one of ['SIGKILL', 'SIGTERM', 'error']"),
     ],
 )
 def test_bad_arguments(kwargs, message):
@@ -125,9 +126,18 @@ def test_setup_needs_dlrover_strategy():
         FaultInjector(0, 1).setup(trainer("ddp"), None, "fit")
 
 
-def test_parity_commit_phase_needs_parity():
-    with pytest.raises(ValueError, match="phase 'during_parity_commit' is only reached with parity on"):
-        FaultInjector(0, 1, "during_parity_commit").setup(trainer(DLRoverStrategy()), None, "fit")
+@pytest.mark.parametrize("phase", ["during_parity_commit", "during_vote"])
+def test_parity_commit_phases_need_parity(phase):
+    with pytest.raises(ValueError, match=f"phase '{phase}' is only reached with parity on"):
+        FaultInjector(0, 1, phase).setup(trainer(DLRoverStrategy()), None, "fit")
+
+
+def test_error_signal_raises_in_the_rank_at_its_point_only():
+    injector = FaultInjector(0, 3, "during_vote", "error")
+    injector("during_parity_commit", 3)
+    injector("during_vote", 2)
+    with pytest.raises(RuntimeError, match="injected error on rank 0 at step 3, phase during_vote"):
+        injector("during_vote", 3)
 
 
 def test_rank_and_step_must_be_reached():

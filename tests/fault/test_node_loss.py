@@ -61,7 +61,10 @@ def test_more_losses_than_parity_fall_back_to_the_last_checkpoint(workdir, repla
     # k=3, r=1 on 2 nodes: a parity group has 2 members on each node, so a lost node is beyond the code.
     summary = drill(workdir, "--kill-node", "0", "--at-step", "14", "--replace", "--no-reference",
                     "--trainer.strategy.init_args.parity.k=3")
-    assert summary["recovered"].startswith("from the last checkpoint (2 of 4 ranks lost their state at step 14")
+    # Node 0's two ranks are lost. Under load a survivor can also miss: its spill absent, or a step behind
+    # when the commit vote broke with node 0 before it saw the outcome (the fallback is right either way).
+    assert re.match(r"from the last checkpoint \([23] of 4 ranks lost their state at step 14 \(ranks \[0, 1", summary["recovered"]), \
+        summary["recovered"]
     assert "epoch=0-step=10.ckpt at step 10" in summary["recovered"]
     assert summary["last committed step before the kill"] == "14" and summary["steps lost"] == "4"
     assert summary["final digest"] == replaced_before_forward["fault-free digest"]  # the replay is exact
