@@ -28,12 +28,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
-from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.keyed import KeyedOptimizer
 from typing_extensions import override
 
-from lightning_dlrover.checkpoint import complete_sharded_state, directory, get_backend
+from lightning_dlrover.checkpoint import directory, get_backend, job
 from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig, rank_state
 from lightning_dlrover.fault import membership
 from lightning_dlrover.fault.inprocess import InProcessRecovery, joining, take_rank_if_spare, world_group
@@ -44,15 +42,15 @@ from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.strategy import lightning_glue as glue
 from lightning_dlrover.strategy import in_process, process_exit
 from lightning_dlrover.strategy.sharding import (
-    COMPUTE_KERNELS,
     CPU_DEFAULT_SHARDING_TYPES,
     SHARDING_TYPES,
     TableConstraint,
     build_constraints,
-    check_choices,
     check_elastic_sizes,
     check_module,
+    check_options,
     describe_plan,
+    distribute,
     plan_sharding,
 )
 
@@ -109,17 +107,7 @@ class DLRoverStrategy(DDPStrategy):
         self.constraints = {
             table: TableConstraint(**c) if isinstance(c, dict) else c for table, c in (constraints or {}).items()
         }
-        check_choices("sharding_types", sharding_types, SHARDING_TYPES)
-        check_choices("compute_kernel", [compute_kernel], COMPUTE_KERNELS)
-        for table, constraint in self.constraints.items():
-            check_choices(f"constraints.{table}.sharding_types", constraint.sharding_types, SHARDING_TYPES)
-            check_choices(f"constraints.{table}.compute_kernels", constraint.compute_kernels, COMPUTE_KERNELS)
-        kernels = {compute_kernel, *(k for c in self.constraints.values() for k in c.compute_kernels or [])}
-        if parity is not None and (caching := sorted(k for k in kernels if "caching" in k)):
-            raise ValueError(
-                f"strategy.parity with compute kernel(s) {caching}: rows in the UVM cache are not flushed before parity "
-                "reads them, so parity could miss updates. Use compute_kernel='fused' with parity."
-            )
+        check_options(sharding_types, compute_kernel, self.constraints, parity=parity is not None)
         self.checkpoint_backend = get_backend(checkpoint_backend)
         self.print_digest = print_digest
         self.parity = ParityConfig(**parity) if isinstance(parity, dict) else parity
@@ -290,16 +278,7 @@ class DLRoverStrategy(DDPStrategy):
             lambda: plan_sharding(module, constraints, self.root_device, local_world_size=self.num_processes),
             self.global_rank,
         )
-        self._dmp = DistributedModelParallel(
-            module=module,
-            env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
-            device=self.root_device,
-            plan=plan,
-            # DDP normally rebuilds its buckets after the first step; a resumed job would then reduce its first
-            # step's gradients in other buckets than an uninterrupted one and (at > 2 ranks) not be bit-exact.
-            # Without a static graph and with unused-parameter search, DDP never rebuilds.
-            data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=False, find_unused_parameters=True),
-        )
+        self._dmp = distribute(module, plan, self.root_device)
         rank_zero_info(f"DLRoverStrategy: {describe_plan(plan)}")
         return self._dmp
 
@@ -325,31 +304,16 @@ class DLRoverStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Writes a sharded checkpoint directory at ``filepath`` from every rank (collective; see
-        :mod:`lightning_dlrover.checkpoint.directory`). It is written under a temporary name and renamed when
-        complete, so a crash never leaves a partial checkpoint at ``filepath``. Every rank's random generators go in."""
+        :func:`lightning_dlrover.checkpoint.job.save`: a crash never leaves a partial checkpoint at ``filepath``).
+        Every rank's random generators go in."""
         if storage_options is not None:
             raise TypeError("DLRoverStrategy.save_checkpoint does not take storage_options.")
         self.fault.settle()  # the checkpoint and the committed step agree
-        path = Path(self.broadcast(str(filepath)))
-        staging = directory.staging_path(path)
-        if self.is_global_zero and staging.exists():
-            shutil.rmtree(staging)
-        rank_states = rank_state.gather_ranks(self.fault.buffers)
-        self.barrier("dlrover_checkpoint_staging")
-        sharded = {"model": checkpoint.pop("state_dict"), "fused_optimizer": self._fused_optimizer_state()}
-        self.checkpoint_backend.save(sharded, staging / directory.SHARDED_DIR)
-        if self.is_global_zero:
-            info = {"global_step": checkpoint["global_step"], "world_size": self.world_size,
-                    "backend": self.checkpoint_backend.name}
-            directory.write_meta(staging, {**checkpoint, "dlrover_rank_states": rank_states}, info)
-        self.barrier("dlrover_checkpoint_written")
-        if self.is_global_zero:
-            directory.publish(staging, path)
-        self.barrier("dlrover_checkpoint_committed")
-
-    def _fused_optimizer_state(self) -> dict[str, Any]:
-        """The fused optimizer's state (not its hyper-parameters, which come from the model), keyed alike on every rank."""
-        return complete_sharded_state(self.fused_optimizer.state_dict()["state"])
+        job.save(
+            checkpoint, Path(self.broadcast(str(filepath))), self.checkpoint_backend, self.fused_optimizer,
+            world_size=self.world_size, is_global_zero=self.is_global_zero, barrier=self.barrier,
+            extra_meta=lambda: {"dlrover_rank_states": rank_state.gather_ranks(self.fault.buffers)},
+        )  # fmt: skip
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -361,21 +325,9 @@ class DLRoverStrategy(DDPStrategy):
         if self._resume is not None:
             rank_zero_info(f"DLRoverStrategy: not loading {checkpoint_path}: the job resumes from its restored state.")
             return self._resume
-        path = Path(self.broadcast(str(checkpoint_path)))
-        info = directory.read_info(path)
-        backend, saved_world_size = get_backend(info["backend"]), info["world_size"]
-        if self.world_size > saved_world_size and not backend.restores_onto_new_ranks:
-            raise RuntimeError(
-                f"{path} was written by the {backend.name!r} backend at world size {saved_world_size}; it cannot "
-                f"restore shards onto the new ranks of world size {self.world_size}. Resume at world size "
-                f"<= {saved_world_size} or write checkpoints with DLRoverStrategy(checkpoint_backend='dcp')."
-            )
-        meta = directory.read_meta(path, weights_only)
-        sharded = {"model": self.lightning_module.state_dict(), "fused_optimizer": self._fused_optimizer_state()}
-        backend.load(sharded, path / directory.SHARDED_DIR)
-        self.lightning_module.load_state_dict(sharded["model"], strict=self.lightning_module.strict_loading)
-        loaded = sharded["fused_optimizer"]
-        self.fused_optimizer.load_state_dict({"state": {k: loaded[k] for k in self.fused_optimizer.state_dict()["state"]}})
+        module = self.lightning_module
+        meta = job.load(Path(self.broadcast(str(checkpoint_path))), module, self.fused_optimizer,
+                        world_size=self.world_size, strict=module.strict_loading, weights_only=weights_only)
         self.fault.after_checkpoint_load(meta)
         return meta
 
@@ -385,8 +337,7 @@ class DLRoverStrategy(DDPStrategy):
         callback = self.lightning_module.trainer.checkpoint_callback
         found = None
         if self.is_global_zero and callback is not None and getattr(callback, "dirpath", None):
-            for partial in Path(callback.dirpath).glob("*.partial"):
-                shutil.rmtree(partial, ignore_errors=True)
+            job.remove_partial(Path(callback.dirpath))
             found = directory.latest_checkpoint(Path(callback.dirpath), at_most)
         found = self.broadcast(str(found) if found is not None else None)
         return Path(found) if found is not None else None

@@ -9,12 +9,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.sharding_plan import get_default_sharders
-from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 SHARDING_TYPES = [t.value for t in ShardingType]
@@ -49,6 +51,24 @@ def check_choices(field: str, values: list[str] | None, allowed: list[str]) -> N
     for value in values or []:
         if value not in allowed:
             raise ValueError(f"strategy.{field}: {value!r} is not one of {allowed}.")
+
+
+def check_options(
+    sharding_types: list[str] | None, compute_kernel: str, constraints: dict[str, TableConstraint], parity: bool
+) -> None:
+    """Raises ``ValueError`` naming the field when a strategy option is not one of TorchRec's choices, or when
+    ``parity`` is on with a caching compute kernel."""
+    check_choices("sharding_types", sharding_types, SHARDING_TYPES)
+    check_choices("compute_kernel", [compute_kernel], COMPUTE_KERNELS)
+    for table, constraint in constraints.items():
+        check_choices(f"constraints.{table}.sharding_types", constraint.sharding_types, SHARDING_TYPES)
+        check_choices(f"constraints.{table}.compute_kernels", constraint.compute_kernels, COMPUTE_KERNELS)
+    kernels = {compute_kernel, *(k for c in constraints.values() for k in c.compute_kernels or [])}
+    if parity and (caching := sorted(k for k in kernels if "caching" in k)):
+        raise ValueError(
+            f"strategy.parity with compute kernel(s) {caching}: rows in the UVM cache are not flushed before parity "
+            "reads them, so parity could miss updates. Use compute_kernel='fused' with parity."
+        )
 
 
 def embedding_tables(module: nn.Module) -> dict[str, str]:
@@ -212,3 +232,17 @@ def describe_plan(plan: ShardingPlan) -> str:
             ranks = ",".join(str(r) for r in sorted(set(sharding.ranks or [])))
             by_type.setdefault(sharding.sharding_type, []).append(f"{table}@{ranks}")
     return "; ".join(f"{kind}: {' '.join(tables)}" for kind, tables in sorted(by_type.items()))
+
+
+def distribute(module: nn.Module, plan: ShardingPlan, device: torch.device) -> DistributedModelParallel:
+    """``module`` wrapped in TorchRec's ``DistributedModelParallel`` on the world process group, sharded by ``plan``."""
+    return DistributedModelParallel(
+        module=module,
+        env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+        device=device,
+        plan=plan,
+        # DDP normally rebuilds its buckets after the first step; a resumed job would then reduce its first
+        # step's gradients in other buckets than an uninterrupted one and (at > 2 ranks) not be bit-exact.
+        # Without a static graph and with unused-parameter search, DDP never rebuilds.
+        data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=False, find_unused_parameters=True),
+    )

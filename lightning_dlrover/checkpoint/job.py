@@ -1,0 +1,91 @@
+"""Saving and loading a sharded job's checkpoint directory (see :mod:`lightning_dlrover.checkpoint.directory`):
+the model (sharded tables as ``ShardedTensor``s) and the fused embedding optimizer's state go to a backend, the
+rest of Lightning's checkpoint dict to ``meta.pt``. Every function here is a collective: every rank calls it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from lightning_dlrover.checkpoint import directory
+from lightning_dlrover.checkpoint.backends import CheckpointBackend, get_backend
+from lightning_dlrover.checkpoint.sharded import complete_sharded_state
+
+if TYPE_CHECKING:
+    from torchrec.optim.keyed import KeyedOptimizer
+
+
+def fused_optimizer_state(optimizer: KeyedOptimizer) -> dict[str, Any]:
+    """The fused optimizer's state (not its hyper-parameters, which come from the model), keyed alike on every rank."""
+    return complete_sharded_state(optimizer.state_dict()["state"])
+
+
+def save(
+    checkpoint: dict[str, Any],
+    path: Path,
+    backend: CheckpointBackend,
+    fused_optimizer: KeyedOptimizer,
+    *,
+    world_size: int,
+    is_global_zero: bool,
+    barrier: Callable[[str], None],
+    extra_meta: Callable[[], dict[str, Any]],
+) -> None:
+    """Writes ``checkpoint`` (Lightning's dict; its ``state_dict`` is taken out and saved sharded) as a checkpoint
+    directory at ``path``, under a temporary name renamed when complete, so a crash never leaves a partial checkpoint
+    at ``path``. ``extra_meta`` (a collective, called on every rank) returns entries rank 0 adds to ``meta.pt``;
+    ``barrier(name)`` synchronises the ranks."""
+    staging = directory.staging_path(path)
+    if is_global_zero and staging.exists():
+        shutil.rmtree(staging)
+    extra = extra_meta()
+    barrier("dlrover_checkpoint_staging")
+    sharded = {"model": checkpoint.pop("state_dict"), "fused_optimizer": fused_optimizer_state(fused_optimizer)}
+    backend.save(sharded, staging / directory.SHARDED_DIR)
+    if is_global_zero:
+        info = {"global_step": checkpoint["global_step"], "world_size": world_size, "backend": backend.name}
+        directory.write_meta(staging, {**checkpoint, **extra}, info)
+    barrier("dlrover_checkpoint_written")
+    if is_global_zero:
+        directory.publish(staging, path)
+    barrier("dlrover_checkpoint_committed")
+
+
+def load(
+    path: Path,
+    module: nn.Module,
+    fused_optimizer: KeyedOptimizer,
+    *,
+    world_size: int,
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Loads the checkpoint directory at ``path`` into ``module`` and ``fused_optimizer`` (in their current sharding,
+    at any world size the backend can restore onto) and returns ``meta.pt``, read without unpickling arbitrary
+    objects unless ``weights_only=False``."""
+    info = directory.read_info(path)
+    backend, saved_world_size = get_backend(info["backend"]), info["world_size"]
+    if world_size > saved_world_size and not backend.restores_onto_new_ranks:
+        raise RuntimeError(
+            f"{path} was written by the {backend.name!r} backend at world size {saved_world_size}; it cannot "
+            f"restore shards onto the new ranks of world size {world_size}. Resume at world size "
+            f"<= {saved_world_size} or write checkpoints with DLRoverStrategy(checkpoint_backend='dcp')."
+        )
+    meta = directory.read_meta(path, weights_only)
+    sharded = {"model": module.state_dict(), "fused_optimizer": fused_optimizer_state(fused_optimizer)}
+    backend.load(sharded, path / directory.SHARDED_DIR)
+    module.load_state_dict(sharded["model"], strict=strict)
+    loaded = sharded["fused_optimizer"]
+    fused_optimizer.load_state_dict({"state": {k: loaded[k] for k in fused_optimizer.state_dict()["state"]}})
+    return meta
+
+
+def remove_partial(checkpoint_dir: Path) -> None:
+    """Removes the half-written checkpoints (``*.partial``) a failed save left under ``checkpoint_dir``."""
+    for partial in checkpoint_dir.glob("*.partial"):
+        shutil.rmtree(partial, ignore_errors=True)

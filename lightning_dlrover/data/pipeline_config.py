@@ -1,0 +1,45 @@
+"""The data pipeline's stages and its configuration: workers per stage and prefetch depth."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+STAGES = ("read", "parse", "transform", "assemble")
+Method = Literal["thread", "process"]
+DEFAULT_METHODS: dict[str, Method] = {"read": "thread", "parse": "process", "transform": "process", "assemble": "thread"}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Workers per stage (0: the stage runs inline in the thread that pulls from it) and prefetch depth in batches."""
+
+    read: int = 1
+    parse: int = 1
+    transform: int = 1
+    assemble: int = 1
+    prefetch: int = 2
+
+    def __post_init__(self) -> None:
+        for name in (*STAGES, "prefetch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"PipelineConfig.{name}={getattr(self, name)} must be >= 0.")
+
+    @property
+    def workers(self) -> dict[str, int]:
+        return {s: getattr(self, s) for s in STAGES}
+
+    @property
+    def total_workers(self) -> int:
+        return sum(self.workers.values())
+
+    def replace(self, **changes: int) -> PipelineConfig:
+        return dataclasses.replace(self, **changes)
+
+    def short(self) -> str:
+        return "r{read} p{parse} t{transform} a{assemble} q{prefetch}".format(**dataclasses.asdict(self))
+
+
+#: The in-process configuration: every stage inline, nothing prefetched (today's loader with the fast parse).
+INLINE = PipelineConfig(0, 0, 0, 0, 0)

@@ -1,0 +1,247 @@
+"""The ``torchdata.nodes`` graph of the data pipeline (see :mod:`lightning_dlrover.data.pipeline`): the work items
+that flow through it, each stage's function, how the graph is built and how its threads and processes are stopped.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import multiprocessing.queues
+import queue
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode, ParallelMapper, Prefetcher
+from torchrec.datasets.utils import Batch
+
+from lightning_dlrover.data.pipeline_config import DEFAULT_METHODS, STAGES, Method, PipelineConfig
+from lightning_dlrover.data.sources import CriteoTSV, make_batch, rank_slice
+from lightning_dlrover.data.tsv_parse import MalformedLine, OnError, RawRows, UserTransform, parse_block, transform
+
+
+@dataclass
+class _Chunk:
+    """One piece of one rank's share of a global batch, as it moves through the stages."""
+
+    batch_start: int
+    batch_size: int
+    part: int
+    parts: int
+    ranges: list[tuple[str, int, int, int]]
+    payload: Any = None
+    busy: dict[str, float] = field(default_factory=dict)
+    skipped: list[tuple[str, int]] = field(default_factory=list)
+    error: tuple[str, int, str, bytes] | None = None  # a malformed line: (path, line, reason, text)
+
+
+@dataclass
+class Delivered:
+    """An assembled batch and what it cost: ``busy`` seconds per stage, ``skipped`` (file, line) pairs."""
+
+    batch: Batch
+    batch_start: int
+    batch_size: int
+    busy: dict[str, float]
+    skipped: list[tuple[str, int]]
+    nbytes: int
+    error: tuple[str, int, str, bytes] | None = None
+
+
+class _Plan(BaseNode[_Chunk]):
+    """This rank's row ranges of global batches from a sample position on, in chunks of at most ``chunk_rows``."""
+
+    def __init__(self, source: CriteoTSV, rank: int, world_size: int, batch_size: int, start: int, chunk_rows: int):
+        super().__init__()
+        self.source, self.rank, self.world_size = source, rank, world_size
+        self.batch_size, self.start, self.chunk_rows = batch_size, start, chunk_rows
+        self._total = len(source)
+        self._pending: list[_Chunk] = []
+        self._position = start
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self._position = int(initial_state["position"]) if initial_state else self.start
+        self._pending = []
+
+    def next(self) -> _Chunk:
+        if not self._pending:
+            if self._position + self.batch_size > self._total:
+                raise StopIteration
+            rows = rank_slice(self.batch_size, self.rank, self.world_size)
+            first, last = self._position + rows.start, self._position + rows.stop
+            bounds = list(range(first, last, self.chunk_rows)) + [last]
+            parts = len(bounds) - 1
+            self._pending = [
+                _Chunk(self._position, self.batch_size, i, parts,
+                       [(str(p), line, off, n) for p, line, off, n in self.source.byte_ranges(a, b)])
+                for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
+            ]
+            self._position += self.batch_size
+        return self._pending.pop(0)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"position": self._position}
+
+
+class _Group(BaseNode[list[_Chunk]]):
+    """Collects the chunks of one batch (they arrive in order)."""
+
+    def __init__(self, source: BaseNode[_Chunk]):
+        super().__init__()
+        self.source = source
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self.source.reset()
+
+    def next(self) -> list[_Chunk]:
+        chunks = [next(self.source)]
+        while len(chunks) < chunks[0].parts:
+            chunks.append(next(self.source))
+        return chunks
+
+    def get_state(self) -> dict[str, Any]:
+        return {}
+
+
+def _read(chunk: _Chunk) -> _Chunk:
+    t0 = time.perf_counter()
+    blocks = []
+    for path, first_line, offset, length in chunk.ranges:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            blocks.append((path, first_line, f.read(length)))
+    chunk.payload = blocks
+    chunk.busy["read"] = time.perf_counter() - t0
+    return chunk
+
+
+def _parse(on_error: OnError, chunk: _Chunk) -> _Chunk:
+    t0 = time.perf_counter()
+    parts = []
+    for path, first_line, data in chunk.payload:
+        try:
+            raw = parse_block(data, path, first_line, on_error)
+        except MalformedLine as err:  # raised by the loader, in order, as a MalformedLine (not a wrapped error)
+            chunk.error, chunk.payload = (err.path, err.line, err.reason, err.text), None
+            return chunk
+        chunk.skipped.extend((path, line) for line in raw.skipped)
+        parts.append(raw)
+    if len(parts) == 1:
+        chunk.payload = parts[0]
+    else:
+        chunk.payload = RawRows(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("labels", "dense", "hex_ids")))
+    chunk.busy["parse"] = time.perf_counter() - t0
+    return chunk
+
+
+def _transform(num_embeddings: Sequence[int], user_transforms: Sequence[UserTransform], chunk: _Chunk) -> _Chunk:
+    if chunk.error is not None:
+        return chunk
+    t0 = time.perf_counter()
+    # numpy, not tensors, between processes: tensors would travel as shared-memory handles (slower for these sizes).
+    chunk.payload = tuple(t.numpy() for t in transform(chunk.payload, num_embeddings, user_transforms))
+    chunk.busy["transform"] = time.perf_counter() - t0
+    return chunk
+
+
+def _assemble(chunks: list[_Chunk]) -> Delivered:
+    error = next((c.error for c in chunks if c.error is not None), None)
+    if error is not None:
+        return Delivered(None, chunks[0].batch_start, chunks[0].batch_size, {}, [], 0, error)  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    if len(chunks) == 1:
+        dense, ids, labels = (torch.from_numpy(a) for a in chunks[0].payload)
+    else:
+        dense, ids, labels = (torch.from_numpy(np.concatenate(parts)) for parts in zip(*(c.payload for c in chunks)))
+    batch = make_batch(dense, ids, labels)
+    busy = {s: sum(c.busy.get(s, 0.0) for c in chunks) for s in STAGES}
+    busy["assemble"] = time.perf_counter() - t0
+    nbytes = dense.nbytes + ids.nbytes + labels.nbytes
+    return Delivered(batch, chunks[0].batch_start, chunks[0].batch_size, busy,
+                     [s for c in chunks for s in c.skipped], nbytes)
+
+
+def _bind(fn: Any, *args: Any) -> Any:
+    return functools.partial(fn, *args)
+
+
+def _walk(node: Any) -> list[Any]:
+    """Every object of a ``torchdata.nodes`` graph reachable through ``_it`` and ``source``."""
+    found, stack, seen = [], [node], set()
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        found.append(obj)
+        stack.extend(getattr(obj, name, None) for name in ("_it", "source"))
+    return found
+
+
+def _processes(objs: list[Any]) -> list[multiprocessing.process.BaseProcess]:
+    return [w for obj in objs for w in getattr(obj, "_workers", []) or []
+            if isinstance(w, multiprocessing.process.BaseProcess)]
+
+
+def worker_processes(node: Any) -> list[multiprocessing.process.BaseProcess]:
+    """The stage worker processes of a ``torchdata.nodes`` graph."""
+    return _processes(_walk(node))
+
+
+def shutdown_nodes(node: Any) -> None:
+    """Stops every thread and worker process of a ``torchdata.nodes`` graph: all stop events first, worker
+    processes given a second to exit (then terminated), then the threads joined."""
+    objs = _walk(node)
+    for obj in objs:
+        for name in ("_stop", "_mp_stop"):
+            event = getattr(obj, name, None)
+            if event is not None and hasattr(event, "set"):
+                event.set()
+    # A worker exits only once its results are flushed into the pipe: drain the result queues meanwhile.
+    queues = [q for obj in objs if isinstance(q := getattr(obj, "_intermed_q", None), multiprocessing.queues.Queue)]
+    processes = _processes(objs)
+    deadline = time.monotonic() + 2.0
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        drained = False
+        for q in queues:
+            try:
+                q.get(timeout=0.005)
+                drained = True
+            except (queue.Empty, OSError, EOFError, ValueError):
+                pass
+        if not drained:
+            for process in processes:
+                process.join(timeout=0.005)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=2.0)
+    for obj in objs:
+        if hasattr(obj, "_shutdown"):
+            obj._shutdown()
+    for obj in objs:  # a worker forked later inherits these objects: leave its finalizers nothing to wait for
+        if getattr(obj, "_workers", None):
+            obj._workers = []
+
+
+def build_graph(source: CriteoTSV, rank: int, world_size: int, batch_size: int, start: int, config: PipelineConfig,
+                chunk_rows: int, on_error: OnError = "raise", user_transforms: Sequence[UserTransform] = (),
+                methods: dict[str, Method] | None = None) -> BaseNode[Delivered]:
+    """The node graph that delivers this rank's batches from sample ``start`` on, under ``config``."""
+    methods = {**DEFAULT_METHODS, **(methods or {})}
+    node: BaseNode = _Plan(source, rank, world_size, batch_size, start, chunk_rows)
+    fns = {"read": _read, "parse": _bind(_parse, on_error),
+           "transform": _bind(_transform, list(source.num_embeddings), list(user_transforms))}
+    for stage in ("read", "parse", "transform"):
+        node = ParallelMapper(node, fns[stage], num_workers=getattr(config, stage), in_order=True,
+                              method=methods[stage])
+    node = ParallelMapper(_Group(node), _assemble, num_workers=config.assemble, in_order=True,
+                          method=methods["assemble"])
+    if config.prefetch > 0:
+        node = Prefetcher(node, prefetch_factor=config.prefetch)
+    return node
