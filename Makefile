@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/lightning-dlrover fit --config configs/demo.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
