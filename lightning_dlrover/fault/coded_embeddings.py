@@ -28,6 +28,7 @@ all-gather can leave some survivors committed and others not: in-process recover
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from lightning_dlrover.fault.coded_state import INT_OF_SIZE, CodedState
 from lightning_dlrover.fault.decode import Combination, Term, combine, decode_combinations, layout_spans
 from lightning_dlrover.fault.messages import Mailbox, align
 from lightning_dlrover.fault.placement import ParityPlacement
+from lightning_dlrover.fault.spill import Spill, job_identity
 from lightning_dlrover.parity import ReedSolomonCode
 from lightning_dlrover.parity import cpu as gf_cpu
 
@@ -213,6 +215,20 @@ class CodedEmbeddings:
         slots = message[slots_at : slots_at + 8 * n].view(torch.int64)
         deltas = message[data_at : data_at + n * row_bytes].view(n, row_bytes)
         self.code.update_rows(self.parity[p : p + 1], c, slots, deltas, parity_ids=[self.placement.k + p])
+
+    def spill(self, rank: int, step: int, rank_states: Tensor | None, meta: dict[str, Any] | None,
+              tentative: bool = False) -> Spill:
+        """This rank's data chunks (a copy) and parity share (the live tensor) as they are now, as the spill of ``step``."""
+        state = self.state
+        chunks = torch.empty(state.k, state.chunk_len, dtype=torch.uint8)
+        for c in range(state.k):
+            state.read_chunk(c, out=chunks[c])
+        return Spill(
+            rank=rank, world_size=self.placement.world_size, step=step, k=state.k, r=self.placement.r,
+            local_world_size=self.placement.local_world_size, chunk_len=state.chunk_len, layouts=state.layouts,
+            chunks=chunks, parity=self.parity, rank_states=rank_states, meta=meta, identity=job_identity(),
+            tentative=tentative,
+        )  # fmt: skip
 
     def rollback(self) -> None:
         """Undoes an uncommitted step on this rank: rows back to the committed bytes, received deltas removed."""

@@ -42,7 +42,6 @@ from lightning_dlrover.fault.spill import (
     ProgressRecord,
     Spill,
     UnsafeSpillDir,
-    job_identity,
     spill_dir,
     write_spill,
 )
@@ -295,6 +294,8 @@ class FaultManager:
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher SIGTERMs a failed node's workers
         stopped = time.time()
         try:
+            if (ahead := self._tentative_spill()) is not None:  # written before the rollback below
+                write_spill(self._spill_dir, ahead)
             path = write_spill(self._spill_dir, self._committed_spill())
         except (OSError, UnsafeSpillDir) as err:
             path = f"nothing ({err})"
@@ -304,6 +305,13 @@ class FaultManager:
              message=f"rank {self._host.global_rank} stopped at {stopped:.3f} ({reason}); spilled the state of step "
              f"{self.committed_step} to {path} in {time.time() - stopped:.3f} s")
 
+    def _tentative_spill(self) -> Spill | None:
+        """This rank's embedding state and parity at the step whose vote broke on it (see ``Spill.tentative``)."""
+        if self._voted < 0:
+            return None
+        assert self.coded is not None and self._host is not None
+        return self.coded.spill(self._host.global_rank, self._voted, None, None, tentative=True)
+
     def _committed_spill(self) -> Spill:
         """This rank's coded state and the trainer's state at the last commit (the step in flight rolled back)."""
         assert self.coded is not None and self._host is not None and self._dense is not None
@@ -311,28 +319,13 @@ class FaultManager:
         self.coded.rollback()
         self._dense.restore()
         meta = self._committed_meta(self._host) if self._meta is not None else None
-        state, placement = self.coded.state, self.coded.placement
-        return Spill(
-            rank=self._host.global_rank, world_size=self._host.world_size, step=self.committed_step, k=state.k,
-            r=placement.r, local_world_size=placement.local_world_size, chunk_len=state.chunk_len,
-            layouts=state.layouts, chunks=self._read_chunks(),
-            parity=self.coded.parity, rank_states=self._rank_states, meta=meta, identity=job_identity(),
-        )  # fmt: skip
+        return self.coded.spill(self._host.global_rank, self.committed_step, self._rank_states, meta)
 
     def _committed_meta(self, host: Host) -> dict[str, Any]:
         """The trainer state of the last commit with the dense parameters and buffers (the dense state must be
         restored to the commit first)."""
         dense = {k: v for k, v in host.lightning_module.state_dict().items() if not isinstance(v, ShardedTensor)}
         return {**(self._meta or {}), "state_dict": dense}
-
-    def _read_chunks(self) -> Tensor:
-        """This rank's ``k`` data chunks in one uint8 ``[k, chunk_len]`` tensor."""
-        assert self.coded is not None
-        state = self.coded.state
-        chunks = torch.empty(state.k, state.chunk_len, dtype=torch.uint8)
-        for c in range(state.k):
-            state.read_chunk(c, out=chunks[c])
-        return chunks
 
     def recover(self, lost_ranks: list[int]) -> None:
         """Rebuilds the embedding shards, optimizer state and parity of ``lost_ranks`` in place, at the last

@@ -103,21 +103,24 @@ def restore(state: CodedState | None, spills: list[Spill]) -> RecoveryReport | N
     report with the spilled trainer state, or ``None`` when no rank has a spill. Raises :class:`Unrecoverable`
     on every rank alike."""
     me, world = dist.get_rank(), dist.get_world_size()
-    gathered: list[list[tuple[int, tuple[int, ...]]]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(gathered, [(s.rank, s.generation) for s in spills])
-    entries = [(holder, rank, gen) for holder, held in enumerate(gathered) for rank, gen in held]
+    gathered: list[list[tuple[int, tuple[int, ...], bool]]] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(gathered, [(s.rank, s.generation, s.tentative) for s in spills])
+    entries = [(holder, rank, gen, tentative) for holder, held in enumerate(gathered) for rank, gen, tentative in held]
+    committed = {gen for _, _, gen, tentative in entries if not tentative}  # tentative spills only join these
+    entries = [entry for entry in entries if entry[2] in committed]
     if not entries:
         return None
-    counts = Counter(gen for _, _, gen in entries)
+    counts = Counter(gen for _, _, gen, _ in entries)
     generation = max(counts, key=lambda gen: (counts[gen], gen[1]))
     old_world, step, k, r, local_world_size = generation
     if state is None:
         raise Unrecoverable(f"The job stopped at step {step}, and this job keeps no parity of its embedding state.", step)
     holders: dict[int, int] = {}
-    for holder, rank, gen in entries:
+    for holder, rank, gen, _ in entries:
         if gen == generation:
             holders.setdefault(rank, holder)
     held = {s.rank: s for s in spills if s.generation == generation and holders[s.rank] == me}
+    source_holder = min(holder for holder, _, gen, tentative in entries if gen == generation and not tentative)
     placement = ParityPlacement(old_world, k, r, local_world_size)
     lost = sorted(set(range(old_world)) - holders.keys())
     for group in range(old_world):
@@ -128,10 +131,10 @@ def restore(state: CodedState | None, spills: list[Spill]) -> RecoveryReport | N
                 step,
             )
     source = [None, None, None, None]
-    if me == min(holders.values()):
-        first = held[min(held)]
+    if me == source_holder:  # a committed spill: a tentative one has no trainer nor rank states
+        first = min((s for s in held.values() if not s.tentative), key=lambda s: s.rank)
         source = [first.layouts, first.chunk_len, first.meta, first.rank_states]
-    dist.broadcast_object_list(source, src=min(holders.values()))
+    dist.broadcast_object_list(source, src=source_holder)
     layouts, chunk_len, meta, rank_states = source
 
     started = time.perf_counter()

@@ -1,6 +1,6 @@
 """Spills: what a failing rank leaves in node-local shared memory for the workers that ``torchrun`` restarts.
 
-A spill is one file per rank, ``rank<R>.pt``, holding only tensors, numbers, strings and lists: it is read
+A spill is one file per rank, ``rank<R>.pt`` (and ``rank<R>.ahead.pt``, see :attr:`Spill.tentative`), holding only tensors, numbers, strings and lists: it is read
 with ``torch.load(weights_only=True)``, so a planted file cannot run code. Its JSON header carries the
 job's identity: the run id and the ``torchrun`` agent that started the workers (pid and start time;
 ``$LIGHTNING_DLROVER_JOB_ID`` replaces the agent where no agent restarts workers). An agent restarts its
@@ -107,6 +107,9 @@ class Spill:
         rank_states: uint8 ``[world_size, n]``, every rank's generators and buffers at ``step`` (``fault.rank_state``).
         meta: the trainer's state at ``step`` as a Lightning checkpoint dict (``state_dict``: dense tensors only).
         identity: the launch that wrote it (see :func:`job_identity`).
+        tentative: the rank's state at ``step``, one past its commit: it voted on ``step`` and its vote broke
+            before it saw the outcome. Usable only where another rank's spill says ``step`` was committed (a
+            completed vote proves every rank had folded in its deltas); no ``meta`` nor ``rank_states``.
     """
 
     rank: int
@@ -122,6 +125,7 @@ class Spill:
     rank_states: Tensor | None
     meta: dict[str, Any] | None
     identity: dict[str, Any] = field(default_factory=dict)
+    tentative: bool = False
     path: Path | None = field(default=None, compare=False)
 
     @property
@@ -135,7 +139,7 @@ def write_spill(directory: Path, spill: Spill) -> Path:
     header = {k: v for k, v in asdict(spill).items() if k not in ("chunks", "parity", "rank_states", "meta", "path")}
     header["format"], header["written"] = FORMAT, time.time()
     meta = {k: v for k, v in (spill.meta or {}).items() if k not in UNSPILLED_KEYS} if spill.meta is not None else None
-    path = directory / f"rank{spill.rank}.pt"
+    path = directory / f"rank{spill.rank}{'.ahead' if spill.tentative else ''}.pt"
     partial = path.with_name(path.name + f".{os.getpid()}.partial")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as out:
@@ -172,7 +176,8 @@ def read_spills(directory: Path | None, local_rank: int, local_world_size: int) 
     for partial in directory.glob("*.partial"):  # a writer killed mid-write
         if local_rank == 0:
             partial.unlink(missing_ok=True)
-    paths = sorted(directory.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))[local_rank::local_world_size]
+    paths = sorted(directory.glob("rank*.pt"), key=lambda p: (int(p.stem[4:].split(".")[0]), p.name))
+    paths = paths[local_rank::local_world_size]
     identity, spills, refused = job_identity(), [], []
     for path in paths:
         try:

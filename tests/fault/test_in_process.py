@@ -1,6 +1,6 @@
 """In-process recovery under ``lightning-dlrover launch``: a rank (or a whole machine) is SIGKILLed, the survivors
 stay in ``fit`` (same processes), a hot spare (or a process started cold) takes the lost rank, and the job ends
-with the digest of the same job run without a fault. A user's own model (tests/scripts/user_model.py: Dropout, BatchNorm, exact Adagrad
+with the digest of the same job run without a fault (and a split vote, in process and under ``torchrun``). A user's own model (tests/scripts/user_model.py: Dropout, BatchNorm, exact Adagrad
 tables, Adam and SGD with momentum, an LR schedule, a StatefulDataLoader) on 2 ranks with k=1, r=1.
 """
 
@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from lightning_dlrover.cli.chaos import STORE_ENV
 from lightning_dlrover.fault.injector import FAULT_ENV
 from lightning_dlrover.monitor.events import read_events
 from tests.conftest import REPO, run, start
@@ -150,6 +151,28 @@ def test_a_survivor_whose_vote_broke_commits_the_step_the_others_committed(tmp_p
     recovered = {e.rank: (e.fields["survivor"], e.step) for e in events if e.kind == "recovered_in_process"}
     assert recovered == {0: (True, 6), 1: (False, 6), 2: (True, 6)}, recovered
     assert digest == reference3
+
+
+def test_a_split_vote_under_torchrun_resumes_from_the_tentative_spill(tmp_path, reference3):
+    """The same split vote under ``torchrun`` (no in-process recovery): rank 2 spills its committed step 5 and,
+    beside it, its state at step 6 as tentative; rank 0 spills step 6. The restarted job restores step 6 with
+    only rank 1 lost (k=1, r=1: had rank 2 counted as lost too, the job would have fallen back to a checkpoint)."""
+    workdir = tmp_path / "torchrun"
+    workdir.mkdir()
+    events = workdir / "events.jsonl"
+    env = {"LIGHTNING_DLROVER_EVENTS": str(events), "LIGHTNING_DLROVER_SPILL_DIR": str(tmp_path / "spills"),
+           FAULT_ENV: "rank=1,step=5,phase=during_vote;rank=2,step=5,phase=during_vote,signal=error",
+           **STORE_ENV}
+    proc = run(["-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=3", "--max-restarts=1",
+                "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                "--rdzv-id=split-vote", SCRIPT, "--steps", "12", "--root", str(workdir), "--parity", "1,1"],
+               workdir, timeout=400, env=env)
+    found = read_events([events])
+    stopped = {e.rank: e.step for e in found if e.kind == "stopped"}
+    assert stopped[2] == 5 and stopped[0] == 6, stopped  # rank 2's committed spill; its tentative one is step 6
+    restored = [(e.step, e.fields["lost_ranks"]) for e in found if e.kind == "restored"]
+    assert restored == [(6, [1])], [e.kind for e in found]
+    assert re.findall(r"state digest: ([0-9a-f]{64})", proc.stdout)[-1] == reference3
 
 
 def two_machines(tmp_path, name: str, fault: str | None = None, spares: int = 1) -> tuple[str, list, int]:

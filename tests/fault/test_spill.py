@@ -48,6 +48,20 @@ def test_spills_round_trip_privately_and_are_shared_out_by_local_rank(tmp_path):
     assert got.path == directory / "rank2.pt"
 
 
+def test_a_tentative_spill_sits_beside_the_committed_one(tmp_path):
+    directory = tmp_path / "spills"
+    ahead = spill(2)
+    ahead.step, ahead.meta, ahead.rank_states, ahead.tentative = 4, None, None, True
+    assert write_spill(directory, ahead).name == "rank2.ahead.pt"
+    for rank in (0, 2, 10):
+        write_spill(directory, spill(rank))
+    shares = [read_spills(directory, local, 2)[0] for local in (0, 1)]
+    assert [(s.rank, s.step, s.tentative) for s in shares[0]] == [(0, 3, False), (2, 3, False)]
+    assert [(s.rank, s.step, s.tentative) for s in shares[1]] == [(2, 4, True), (10, 3, False)]
+    got = shares[1][0]
+    assert got.meta is None and got.rank_states is None and torch.equal(got.chunks, ahead.chunks)
+
+
 class Planted:
     """A pickle that would create a file when unpickled."""
 
