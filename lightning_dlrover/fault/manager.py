@@ -286,13 +286,13 @@ class FaultManager:
         reason = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         if self._host is not None and self.coded is None and self.committed_step >= 0:
             emit("stopped", step=self.committed_step, reason=reason, spill="nothing (no parity)", spill_s=0.0,
-                 message=f"rank {self._host.global_rank} stopped at {time.time():.3f} ({reason}); no parity, so "
+                 tentative_step=None, message=f"rank {self._host.global_rank} stopped at {time.time():.3f} ({reason}); no parity, so "
                  "nothing is spilled: a restarted job resumes from its newest checkpoint")
             return
         if self._host is None or self._spill_dir is None or self.coded is None or self.committed_step < 0:
             return  # nothing committed yet (the failure came during set-up): a spill would only mislead a restart
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher SIGTERMs a failed node's workers
-        stopped = time.time()
+        stopped, ahead = time.time(), None
         try:
             if (ahead := self._tentative_spill()) is not None:  # written before the rollback below
                 write_spill(self._spill_dir, ahead)
@@ -301,9 +301,11 @@ class FaultManager:
             path = f"nothing ({err})"
         finally:
             signal.signal(signal.SIGTERM, previous)
+        tentative = ahead.step if ahead is not None else None
         emit("stopped", step=self.committed_step, reason=reason, spill=str(path), spill_s=time.time() - stopped,
-             message=f"rank {self._host.global_rank} stopped at {stopped:.3f} ({reason}); spilled the state of step "
-             f"{self.committed_step} to {path} in {time.time() - stopped:.3f} s")
+             tentative_step=tentative, message=f"rank {self._host.global_rank} stopped at {stopped:.3f} ({reason}); "
+             f"spilled the state of step {self.committed_step} to {path}"
+             f"{f' (and of step {tentative}, tentative)' if tentative is not None else ''} in {time.time() - stopped:.3f} s")
 
     def _tentative_spill(self) -> Spill | None:
         """This rank's embedding state and parity at the step whose vote broke on it (see ``Spill.tentative``)."""

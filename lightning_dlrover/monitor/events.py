@@ -31,7 +31,9 @@ SCHEMA = 1
 #: Event kinds and their extra fields.
 KINDS: dict[str, tuple[str, ...]] = {
     "fault_injected": ("phase", "target", "signal", "committed_step"),  # step: index of the step in flight
-    "stopped": ("reason", "spill", "spill_s"),  # a rank stopped on a failure; step: the committed step it spilled
+    # a rank stopped on a failure; step: the committed step it spilled; tentative_step: the step it also spilled
+    # as tentative (its vote on it broke, see fault.spill.Spill.tentative), else None
+    "stopped": ("reason", "spill", "spill_s", "tentative_step"),
     "stale_spills_refused": ("paths", "why"),
     "restored": ("old_world_size", "world_size", "lost_ranks", "decode_s", "reshard_s"),  # from survivors' spills
     "fallback": ("why", "checkpoint", "failed_step", "steps_lost", "load_s"),  # checkpoint None: from step 0

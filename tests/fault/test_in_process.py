@@ -168,8 +168,8 @@ def test_a_split_vote_under_torchrun_resumes_from_the_tentative_spill(tmp_path, 
                 "--rdzv-id=split-vote", SCRIPT, "--steps", "12", "--root", str(workdir), "--parity", "1,1"],
                workdir, timeout=400, env=env)
     found = read_events([events])
-    stopped = {e.rank: e.step for e in found if e.kind == "stopped"}
-    assert stopped[2] == 5 and stopped[0] == 6, stopped  # rank 2's committed spill; its tentative one is step 6
+    stopped = {e.rank: (e.step, e.fields["tentative_step"]) for e in found if e.kind == "stopped"}
+    assert stopped[2] == (5, 6) and stopped[0] == (6, None), stopped
     restored = [(e.step, e.fields["lost_ranks"]) for e in found if e.kind == "restored"]
     assert restored == [(6, [1])], [e.kind for e in found]
     assert re.findall(r"state digest: ([0-9a-f]{64})", proc.stdout)[-1] == reference3
