@@ -352,7 +352,7 @@ class FaultManager:
                                 self.committed_step)
         survivors = sorted(set(range(host.world_size)) - set(lost))
         step, source, decide_here = agree_on_step(self.committed_step, self._voted, survivors)
-        self._deciding, self._voted = None, -1
+        self._deciding = None  # (``_voted`` stays until the step is decided below: a spill meanwhile is tentative)
         if survivor:  # mirrors the replacement's state construction (layouts, chunk length)
             assert self.coded is not None and self._dense is not None
             self.coded.state.share_layout()
@@ -375,6 +375,7 @@ class FaultManager:
             self._dense.restore()
             self.committed_step, self._meta, self._rank_states = step, dict(meta), rank_states
             emit("vote_completed_elsewhere", step=step, message=f"rank {host.global_rank}: its vote broke; step {step} committed")
+        self._voted = -1
         started = time.perf_counter()
         self.coded.recover(sorted(lost))  # rolls back, decodes the lost ranks in place, re-encodes their parity
         self.coded.committed_step = step
