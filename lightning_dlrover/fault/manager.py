@@ -70,8 +70,8 @@ class FaultManager:
         #: Whether the start restored a failed job (from survivors' spills or a fallback checkpoint).
         self.recovered = False
         #: Called as ``point(phase, step)`` at ``before_forward``, ``after_optimizer``, ``during_parity_commit`` and
-        #: ``during_vote`` of the step in flight (``step``: its index, the ``global_step`` it started at), and at ``after_commit``
-        #: with ``step`` the committed step.
+        #: ``during_vote`` of the step in flight (``step``: its index, the ``global_step`` it started at), and at
+        #: ``after_commit`` with ``step`` the committed step.
         self.fault_points: list[Callable[[str, int], None]] = []
         self._host: Host | None = None
         self._dense: ReplicatedSnapshot | None = None
@@ -286,8 +286,8 @@ class FaultManager:
         reason = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         if self._host is not None and self.coded is None and self.committed_step >= 0:
             emit("stopped", step=self.committed_step, reason=reason, spill="nothing (no parity)", spill_s=0.0,
-                 tentative_step=None, message=f"rank {self._host.global_rank} stopped at {time.time():.3f} ({reason}); no parity, so "
-                 "nothing is spilled: a restarted job resumes from its newest checkpoint")
+                 tentative_step=None, message=f"rank {self._host.global_rank} stopped at {time.time():.3f} "
+                 f"({reason}); no parity, so nothing is spilled: a restarted job resumes from its newest checkpoint")
             return
         if self._host is None or self._spill_dir is None or self.coded is None or self.committed_step < 0:
             return  # nothing committed yet (the failure came during set-up): a spill would only mislead a restart
@@ -374,7 +374,8 @@ class FaultManager:
             self._dense.promote()
             self._dense.restore()
             self.committed_step, self._meta, self._rank_states = step, dict(meta), rank_states
-            emit("vote_completed_elsewhere", step=step, message=f"rank {host.global_rank}: its vote broke; step {step} committed")
+            emit("vote_completed_elsewhere", step=step,
+                 message=f"rank {host.global_rank}: its vote broke, another survivor's completed: step {step} committed")
         self._voted = -1
         started = time.perf_counter()
         self.coded.recover(sorted(lost))  # rolls back, decodes the lost ranks in place, re-encodes their parity

@@ -1,7 +1,8 @@
 """Spills: what a failing rank leaves in node-local shared memory for the workers that ``torchrun`` restarts.
 
-A spill is one file per rank, ``rank<R>.pt`` (and ``rank<R>.ahead.pt``, see :attr:`Spill.tentative`), holding only tensors, numbers, strings and lists: it is read
-with ``torch.load(weights_only=True)``, so a planted file cannot run code. Its JSON header carries the
+A spill is one file per rank, ``rank<R>.pt`` (and ``rank<R>.ahead.pt``, see :attr:`Spill.tentative`), holding
+only tensors, numbers, strings and lists: it is read with ``torch.load(weights_only=True)``, so a planted file
+cannot run code. Its JSON header carries the
 job's identity: the run id and the ``torchrun`` agent that started the workers (pid and start time;
 ``$LIGHTNING_DLROVER_JOB_ID`` replaces the agent where no agent restarts workers). An agent restarts its
 own workers, so a spill written under another agent is a leftover of another launch (for example a crashed
