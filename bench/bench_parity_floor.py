@@ -56,7 +56,7 @@ class Timed:
 
 
 class FloorProbe(pl.Callback):
-    """Times ours (post_deltas + finish_deltas + vote) and the floor on the same rows of every timed commit."""
+    """Times ours (post_deltas + finish_deltas + vote + decide) and the floor on the same rows of every timed commit."""
 
     def __init__(self, warmup: int, commits: int, every: int) -> None:
         self.first, self.last = warmup * every, (warmup + commits) * every  # timed commits: global steps in (first, last]
@@ -237,7 +237,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     print("\n".join(lines))
-    print("ours: post_deltas + finish_deltas + vote, CPU ms of the process per commit; floor: index_select of old and new rows, XOR, "
+    print("ours: post_deltas + finish_deltas + vote + decide, CPU ms of the process per commit; floor: index_select of old and new rows, XOR, "
           "all_to_all_single of the same bytes per destination, update_rows of the received bytes (sizes exchanged "
           "beforehand, not counted); x cpu / x wall: ours / floor per rank and commit, median. Target: <= 1.3x. A trailing s: overlap=False.")
     print(f"wall {time.time() - started:.0f} s")
