@@ -21,8 +21,9 @@ Commit protocol (one training step ``s``; ``committed_step`` is ``s - 1`` before
 A failure before the vote completes leaves step ``s`` uncommitted everywhere; :meth:`rollback` undoes
 it on the survivors (rows restored from the undo log, received deltas re-applied), so data and parity
 are again those of step ``s - 1``, and the lost ranks are decoded at that step. A failure *during* the
-all-gather can leave some survivors committed and others not: in-process recovery then has the others
-:meth:`decide` step ``s`` too, which is safe because every rank had voted. Only touched rows travel.
+all-gather can leave some survivors committed and others not, which is safe to resolve forward because every
+rank had voted: in-process recovery has the others :meth:`decide` step ``s`` too, and a restart counts their
+tentative spills of step ``s`` (:class:`~lightning_dlrover.fault.spill.Spill`). Only touched rows travel.
 """
 
 from __future__ import annotations
