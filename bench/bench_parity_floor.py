@@ -5,7 +5,7 @@ A real multi-process DLRM job (Lightning's popen launcher re-runs this script pe
 For every timed commit this script measures, on every rank:
 
 - **ours**: ``CodedEmbeddings.post_deltas`` + ``finish_deltas`` (row deltas to the parity holders, folded into their parity)
-  plus the vote (``CodedEmbeddings.commit``), wall and CPU time of the process;
+  plus the vote and the decision (``CodedEmbeddings.vote`` + ``decide``), wall and CPU time of the process;
 - **floor**: the unavoidable work for the same commit's rows, done right before ours on the same
   touched rows: one gather of the rows' old and one of their new bytes (``index_select``), one XOR, one
   ``all_to_all_single`` of exactly the bytes ours sends to each rank, one ``update_rows`` per received

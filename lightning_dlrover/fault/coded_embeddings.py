@@ -10,9 +10,9 @@ Commit protocol (one training step ``s``; ``committed_step`` is ``s - 1`` before
    the number of backward passes and optimizer calls: every rank sends ``old XOR new`` of its touched rows to
    the parity holders of their groups; each holder folds them into its parity and keeps them as its own undo
    log (XOR is its own inverse).
-4. :meth:`CodedEmbeddings.commit`: a vote (an all-gather of every rank's ballot) that every rank reaches only
-   after applying every delta it received. When it completes, step ``s`` is committed: undo logs are dropped
-   and ``committed_step = s``. :class:`~lightning_dlrover.fault.FaultManager` starts step 3 once the whole
+4. :meth:`CodedEmbeddings.vote`, then :meth:`~CodedEmbeddings.decide`: a vote (an all-gather of every rank's
+   ballot) that every rank reaches only after applying every delta it received. When it completes, step ``s``
+   is committed: undo logs are dropped and ``committed_step = s``. :class:`~lightning_dlrover.fault.FaultManager` starts step 3 once the whole
    training step is over (callbacks, LR schedulers, validation), with snapshots of the dense and trainer state
    and every rank's random generators (the ballots), so all of it belongs to the same step. With overlap,
    :meth:`~CodedEmbeddings.post_deltas` sends and the next step's start finishes step 3 and votes, so the
@@ -107,7 +107,7 @@ class CodedEmbeddings:
         """Sends the row deltas since the last commit to their parity holders (pairwise with the fixed parity
         partners, one round, no collective) and returns at once; :meth:`finish_deltas` waits and folds in the ones
         received. The tables may be read, not written, until then (the next step's forward must wait), and the step
-        stays undoable (:meth:`rollback`) until :meth:`commit`.
+        stays undoable (:meth:`rollback`) until :meth:`decide`.
 
         Each delta is written once, straight into the message to its first parity holder (one gather-XOR pass of the
         new rows against the undo log); further holders (``r > 1``) get a copy. A message is int64 words ``length,
@@ -168,12 +168,6 @@ class CodedEmbeddings:
             for block in self._blocks(message):
                 self._apply(*block)
                 self._pending.append(block)
-
-    def commit(self, step: int, ballot: Tensor) -> list[Tensor]:
-        """:meth:`vote` then :meth:`decide`: commits ``step``; returns every rank's ballot."""
-        ballots = self.vote(ballot)
-        self.decide(step)
-        return ballots
 
     def vote(self, ballot: Tensor) -> list[Tensor]:
         """The vote: an all-gather of every rank's ``ballot`` (uint8, the same size on every rank), reached by
