@@ -42,6 +42,7 @@ from torch.distributed import TCPStore
 from lightning_dlrover.cli.chaos_report import summarize
 from lightning_dlrover.cli.launch import serve_store
 from lightning_dlrover.fault import membership
+from lightning_dlrover.fault.coded_embeddings import VERIFY_PARITY_ENV
 from lightning_dlrover.fault.injector import FAULT_ENV, PHASES
 from lightning_dlrover.fault.spill import SPILL_ENV
 from lightning_dlrover.monitor.events import EVENTS_ENV, Event, configure, emit, read_events
@@ -120,6 +121,7 @@ class Cluster:
                          **STORE_ENV, **(env or {})})
         if not a.no_reference:
             full_env[DIGEST_EVERY_ENV] = "1"  # digests at the start and after every step, to compare states
+        full_env[VERIFY_PARITY_ENV] = "1"  # a restored job checks its parity against a fresh encode
         log = self.job.workdir / f"node{index}.log"
         with open(log, "w") as out:
             agent = subprocess.Popen(command, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,

@@ -35,6 +35,8 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     steps lost (the last committed step before the kill against the step the job resumed at), and whether the
     restored and final states equal the fault-free run's."""
     injected = [e for e in events if e.kind == "fault_injected"]
+    # a node's kill is recorded by each of its ranks: one kill per (step, phase) of a node target
+    kills = len({(e.step, e["phase"]) if e["target"] == "node" else id(e) for e in injected})
     kill = injected[0] if injected else None
     after = kill.time if kill else 0.0
     in_process = [e for e in events if e.kind == "recovered_in_process" and e.time >= after]
@@ -65,6 +67,11 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
         verdict = ("yes" if restored == expected else "no") if expected and restored else "no (cannot confirm: " + (
             "no fault-free run" if not reference else "no digest of that step") + ")"
         lines.append(f"restored state equals the fault-free state at step {first.step}: {verdict}")
+    encoded = next((e for e in events if e.kind == "parity_encoded" and first is not None and e.time >= first.time), None)
+    if encoded is not None:
+        lines.append(f"parity after the restore: {'kept on the survivors, ' if encoded['kept_parity'] else ''}encoded for "
+                     f"ranks {encoded['encoded_ranks']} in {encoded['encode_s']:.3f} s; equals a fresh encode: "
+                     f"{'not checked' if encoded['verified'] is None else 'yes' if encoded['verified'] else 'no'}")
     if kill is not None and stopped:
         lines.append(f"detection: {min(stopped) - kill.time:.2f} s (kill to the first survivor stopping)")
     if kill is not None and in_process and stopped:
@@ -84,9 +91,9 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     lines.append(f"steps lost: {lost}")
     if kill is not None and first is not None and kill.step is not None:
         lines.append(f"steps trained again: {kill.step - first.step} (the step in flight and any since the last commit)")
-    if len(injected) > 1:
+    if kills > 1:
         restarts = sum(e.kind == "restarting_all" for e in events)
-        lines.append(f"kills: {len(injected)}; recovered in process: {confirmed}; full restarts: {restarts}")
+        lines.append(f"kills: {kills}; recovered in process: {confirmed}; full restarts: {restarts}")
     lines.append(f"job finished: {'yes' if finished else 'no'}")
     lines.append(f"final digest: {finals[-1] if finals else 'none'}")
     if fault_free is not None:

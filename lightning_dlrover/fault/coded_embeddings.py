@@ -44,6 +44,10 @@ from lightning_dlrover.parity import ReedSolomonCode
 from lightning_dlrover.parity import cpu as gf_cpu
 
 
+#: Environment variable: ``1`` checks the parity of a restored job against a fresh encode (drills; costs an encode).
+VERIFY_PARITY_ENV = "LIGHTNING_DLROVER_VERIFY_PARITY"
+
+
 class CodedEmbeddings:
     """Keeps this rank's share of the parity and runs the per-step commit protocol (collective methods).
 
@@ -102,6 +106,24 @@ class CodedEmbeddings:
         combine(self._parity_combinations(list(range(self.placement.world_size))))
         self.state.commit()
         self._pending.clear()
+
+    def adopt(self, parity: Tensor | None, lost: list[int]) -> None:
+        """Encodes after a restore that kept the layout (collective): this rank takes ``parity``, its share as its
+        previous incarnation spilled it (``None`` on a ``lost`` rank), and only the ``lost`` ranks' shares are encoded
+        from the restored data."""
+        if parity is not None:
+            self.parity.copy_(parity)
+        combine(self._parity_combinations(lost))
+        self.state.commit()
+        self._pending.clear()
+
+    def verify(self) -> bool:
+        """Whether every rank's parity equals a fresh encode of the data (collective; the parity is then re-encoded)."""
+        held = self.parity.clone()
+        self.encode()
+        same = torch.tensor([int(torch.equal(held, self.parity))])
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        return bool(same)
 
     def post_deltas(self) -> None:
         """Sends the row deltas since the last commit to their parity holders (pairwise with the fixed parity

@@ -18,6 +18,7 @@ resuming from it is exact for any model (Dropout, BatchNorm, any dense optimizer
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -26,17 +27,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from lightning_dlrover.fault import rank_state
-from lightning_dlrover.fault.coded_embeddings import CodedEmbeddings
+from lightning_dlrover.fault.coded_embeddings import VERIFY_PARITY_ENV, CodedEmbeddings
 from lightning_dlrover.fault.coded_state import CodedState
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.launcher import under_torchrun
 from lightning_dlrover.fault.placement import ParityConfig, ParityPlacement
 from lightning_dlrover.fault.recovery import RecoveryReport, Unrecoverable, agree_on_step
-from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot
+from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot, dense_buffers, replicated_tensors
 from lightning_dlrover.fault.resume import fall_back, restore_failed_job
 from lightning_dlrover.fault.spill import (
     ProgressRecord,
@@ -46,11 +47,6 @@ from lightning_dlrover.fault.spill import (
     write_spill,
 )
 from lightning_dlrover.monitor import StepTimer, emit
-
-
-def dense_buffers(module: nn.Module) -> list[Tensor]:
-    """The module's buffers outside the sharded tables (per rank: TorchRec's DDP does not broadcast them)."""
-    return [b for _, b in module.named_buffers() if not b.is_meta and not isinstance(b, ShardedTensor)]
 
 
 class FaultManager:
@@ -93,7 +89,7 @@ class FaultManager:
         parity (collective). Returns the trainer state for Lightning to resume from, ``None`` for a fresh start.
         A process ``joining`` a running job in place of a lost rank only prepares: :meth:`rejoin` restores it."""
         self._host = host
-        self._dense = ReplicatedSnapshot(self._dense_tensors(host))
+        self._dense = ReplicatedSnapshot(replicated_tensors(host.lightning_module, lambda: host.optimizers))
         self._buffers = dense_buffers(host.lightning_module)
         self._rank_state_len = rank_state.capture_rank(self._buffers).numel()
         if joining:  # the survivors are not here yet: the collectives below run in rejoin
@@ -102,11 +98,12 @@ class FaultManager:
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(host.world_size)]
         dist.all_gather(lengths, torch.tensor([self._rank_state_len]))
         self._rank_state_len = int(max(lengths))
-        resume, reason = None, None
+        report, reason = None, None
         if under_torchrun():
-            resume, reason = self._restore(host, state)
+            report, reason = self._restore(host, state)
         if state is not None:
-            self.coded = self._encode(host, state)
+            self.coded = self._encode(host, state, report)
+        resume = report.meta if report is not None else None
         if reason is not None:
             resume = fall_back(host, reason)
         if resume is not None:
@@ -124,7 +121,7 @@ class FaultManager:
                      message=f"not recording progress: {err}")
         return resume
 
-    def _restore(self, host: Host, state: CodedState | None) -> tuple[dict[str, Any] | None, Unrecoverable | None]:
+    def _restore(self, host: Host, state: CodedState | None) -> tuple[RecoveryReport | None, Unrecoverable | None]:
         """Decodes the spills of a failed launch of this job; the reason to fall back when they cannot be used."""
         self._spill_dir = spill_dir()
         report, reason = restore_failed_job(host, state, self._spill_dir)
@@ -135,7 +132,7 @@ class FaultManager:
             emit("restored", step=report.step, old_world_size=report.world_size, world_size=host.world_size,
                  lost_ranks=report.lost, decode_s=report.decode_s, reshard_s=report.reshard_s,
                  message=f"{report}; resuming")
-        return report.meta, None
+        return report, None
 
     def _load_dense_state(self, host: Host, report: RecoveryReport) -> None:
         """Copies the spilled dense parameters and buffers into the model; keeps this rank's generators."""
@@ -155,11 +152,27 @@ class FaultManager:
             rank_state.restore_rank(self._pending_rank_state, self._buffers, generators=False)
         self._rank_states = states
 
-    def _encode(self, host: Host, state: CodedState) -> CodedEmbeddings:
+    def _encode(self, host: Host, state: CodedState, report: RecoveryReport | None) -> CodedEmbeddings:
+        """Parity for the job's layout: the survivors' kept after a restore that kept the layout, else encoded."""
         assert self.parity is not None
         k, r = self.parity.k, self.parity.r
         placement = ParityPlacement(host.world_size, k, r, host.num_processes)
-        coded = CodedEmbeddings(state, placement)
+        started = time.perf_counter()
+        coded = CodedEmbeddings(state, placement, encode=False)
+        kept = report is not None and report.layout_kept and report.code == (k, r, host.num_processes)
+        if kept:
+            coded.adopt(report.parity, report.lost)
+        else:
+            coded.encode()
+        if report is not None:
+            report.parity, seconds = None, time.perf_counter() - started  # (the spill's mapping)
+            verified = coded.verify() if os.environ.get(VERIFY_PARITY_ENV) == "1" else None
+            if host.is_global_zero:
+                encoded = report.lost if kept else list(range(host.world_size))
+                emit("parity_encoded", step=report.step, encode_s=seconds, kept_parity=kept, encoded_ranks=encoded,
+                     verified=verified, message=f"parity of ranks {encoded} encoded in {seconds:.3f} s"
+                     + ("; the survivors' parity is kept" if kept else "")
+                     + ("" if verified is None else f"; equals a fresh encode: {'yes' if verified else 'NO'}"))
         if host.is_global_zero:
             state_bytes, parity_bytes = state.num_bytes, coded.parity.numel()
             node = ""
@@ -172,19 +185,6 @@ class FaultManager:
                   f"and holds {parity_bytes / 2**20:.2f} MiB of parity ({parity_bytes / max(state_bytes, 1):.0%}); "
                   f"any {r} lost ranks are recoverable{node}; the recovery point is committed {point}.", flush=True)
         return coded
-
-    @staticmethod
-    def _dense_tensors(host: Host) -> Callable[[], list[Tensor]]:
-        """The replicated state: every dense parameter and buffer, and the dense optimizers' state tensors."""
-        module = [v for v in host.lightning_module.state_dict(keep_vars=True).values()
-                  if isinstance(v, Tensor) and not isinstance(v, ShardedTensor) and not v.is_meta]
-
-        def tensors() -> list[Tensor]:
-            state = [v for opt in host.optimizers for group in opt.param_groups for p in group["params"]
-                     for _, v in sorted(opt.state.get(p, {}).items()) if torch.is_tensor(v)]
-            return [*module, *state]
-
-        return tensors
 
     # ------------------------------------------------------------------------------------ each step
     def reach(self, phase: str, step: int) -> None:

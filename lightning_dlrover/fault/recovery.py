@@ -21,7 +21,9 @@ The restarted workers (survivors, replacements, or fewer or more ranks) call :fu
    new plan's shards of the same state-dict tensor and sent to the worker owning each piece, which writes
    it into TorchRec's live buffers. Every byte of the new layout must be covered, or nothing is resumed.
 
-Parity is then encoded afresh for the new layout by :class:`~lightning_dlrover.fault.CodedEmbeddings`.
+Parity is then encoded afresh for the new layout by :class:`~lightning_dlrover.fault.CodedEmbeddings`, or, when
+the layout is unchanged and every survivor got its own spill back, kept on the survivors and encoded for the lost
+ranks only.
 """
 
 from __future__ import annotations
@@ -53,7 +55,12 @@ class Unrecoverable(RuntimeError):
 class RecoveryReport:
     """What :func:`restore` did: the recovered ``step``, the failed job's ``world_size``, the ``lost`` ranks
     (decoded), seconds spent decoding and re-sharding, and the trainer state (``meta``) and every old rank's
-    generators and buffers (``rank_states``, uint8 ``[old world, n]``) of the recovered step."""
+    generators and buffers (``rank_states``, uint8 ``[old world, n]``) of the recovered step.
+
+    ``layout_kept`` (the same on every rank): the new job has the old one's world, chunk layouts and code, and
+    every surviving old rank's spill is on the worker of the same rank, so the survivors' parity is still valid;
+    ``parity`` is then this worker's share as spilled (``None`` on a lost rank) and only the lost ranks' shares
+    need encoding (:meth:`~lightning_dlrover.fault.CodedEmbeddings.adopt`)."""
 
     step: int
     world_size: int
@@ -62,6 +69,9 @@ class RecoveryReport:
     reshard_s: float
     meta: dict[str, Any] | None = None
     rank_states: Tensor | None = None
+    layout_kept: bool = False
+    code: tuple[int, int, int] = (0, 0, 0)  # the failed job's k, r and ranks per node
+    parity: Tensor | None = None
 
     def __str__(self) -> str:
         lost = f"decoded lost ranks {self.lost}" if self.lost else "no rank lost"
@@ -160,7 +170,11 @@ def restore(state: CodedState | None, spills: list[Spill]) -> RecoveryReport | N
         )  # fmt: skip
     decoded = time.perf_counter()
     _reshard(state, layouts, chunk_len, chunks, where, step)
-    return RecoveryReport(step, old_world, lost, decoded - started, time.perf_counter() - decoded, meta, rank_states)
+    kept = (old_world == world and k == state.k and chunk_len == state.chunk_len and layouts == state.layouts
+            and all(holder == rank for rank, holder in holders.items()))
+    return RecoveryReport(step, old_world, lost, decoded - started, time.perf_counter() - decoded, meta, rank_states,
+                          layout_kept=kept, code=(k, r, local_world_size),
+                          parity=held[me].parity if kept and me in held else None)
 
 
 def _reshard(state: CodedState, layouts: list[list[SegmentSpec]], chunk_len: int, chunks: dict[int, Tensor],

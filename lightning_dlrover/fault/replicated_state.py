@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 
 class ReplicatedSnapshot:
@@ -48,3 +49,23 @@ class ReplicatedSnapshot:
         live = [t.detach() for t in self._tensors()]
         if live and len(live) == len(self._copies):
             torch._foreach_copy_(live, self._copies)
+
+
+def dense_buffers(module: nn.Module) -> list[Tensor]:
+    """The module's buffers outside the sharded tables (per rank: TorchRec's DDP does not broadcast them)."""
+    return [b for _, b in module.named_buffers() if not b.is_meta and not isinstance(b, ShardedTensor)]
+
+
+def replicated_tensors(module: nn.Module,
+                       optimizers: Callable[[], Sequence[torch.optim.Optimizer]]) -> Callable[[], list[Tensor]]:
+    """The replicated state, for :class:`ReplicatedSnapshot`: every dense parameter and buffer of ``module`` and the
+    state tensors of the dense optimizers (``optimizers()``: the current ones, read at every call)."""
+    dense = [v for v in module.state_dict(keep_vars=True).values()
+             if isinstance(v, Tensor) and not isinstance(v, ShardedTensor) and not v.is_meta]
+
+    def tensors() -> list[Tensor]:
+        state = [v for opt in optimizers() for group in opt.param_groups for p in group["params"]
+                 for _, v in sorted(opt.state.get(p, {}).items()) if torch.is_tensor(v)]
+        return [*dense, *state]
+
+    return tensors

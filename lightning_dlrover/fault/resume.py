@@ -21,7 +21,7 @@ def restore_failed_job(host: Host, state: CodedState | None,
                        directory: Path) -> tuple[RecoveryReport | None, Unrecoverable | None]:
     """Decodes the spills in ``directory`` of a failed launch of this job into ``state`` (collective). Returns the
     report (``None``: nothing to restore) or the reason to fall back to a checkpoint. Used spills are removed."""
-    spills, refused = read_spills(directory, host.local_rank, host.num_processes)
+    spills, refused = read_spills(directory, host.local_rank, host.num_processes, host.global_rank)
     if refused:
         emit("stale_spills_refused", paths=[r.split(":")[0] for r in refused], why="; ".join(refused),
              message="refused spills: " + "; ".join(refused))

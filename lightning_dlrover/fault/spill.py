@@ -161,9 +161,15 @@ def _load(path: Path) -> Spill:
     return Spill(**header, chunks=data["chunks"], parity=data["parity"], rank_states=data["rank_states"], meta=data["meta"], path=path)
 
 
-def read_spills(directory: Path | None, local_rank: int, local_world_size: int) -> tuple[list[Spill], list[str]]:
-    """This worker's share of the node's spills (every ``local_world_size``-th file from ``local_rank`` on) that
-    belong to this launch, and why others were refused (refused files are removed).
+def read_spills(directory: Path | None, local_rank: int, local_world_size: int,
+                rank: int | None = None) -> tuple[list[Spill], list[str]]:
+    """This worker's share of the node's spills that belong to this launch, and why others were refused (refused
+    files are removed).
+
+    With this worker's global ``rank``, the spills of old ranks that are again on this node go to the worker of the
+    same rank (a survivor restarted in place gets its own spill back, so its parity can be kept, see
+    :func:`~lightning_dlrover.fault.recovery.restore`); the others are dealt out in turn, every
+    ``local_world_size``-th from ``local_rank`` on (all of them, without ``rank``).
 
     A directory that is not private to this user is refused whole; unreadable files, files that would need
     unpickling arbitrary objects, and spills of another launch are refused one by one.
@@ -178,7 +184,10 @@ def read_spills(directory: Path | None, local_rank: int, local_world_size: int) 
         if local_rank == 0:
             partial.unlink(missing_ok=True)
     paths = sorted(directory.glob("rank*.pt"), key=lambda p: (int(p.stem[4:].split(".")[0]), p.name))
-    paths = paths[local_rank::local_world_size]
+    here = range(rank - local_rank, rank - local_rank + local_world_size) if rank is not None else range(0)
+    old_rank = {path: int(path.stem[4:].split(".")[0]) for path in paths}
+    paths = ([path for path in paths if old_rank[path] == rank]
+             + [path for path in paths if old_rank[path] not in here][local_rank::local_world_size])
     identity, spills, refused = job_identity(), [], []
     for path in paths:
         try:

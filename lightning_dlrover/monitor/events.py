@@ -36,6 +36,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     "stopped": ("reason", "spill", "spill_s", "tentative_step"),
     "stale_spills_refused": ("paths", "why"),
     "restored": ("old_world_size", "world_size", "lost_ranks", "decode_s", "reshard_s"),  # from survivors' spills
+    # after "restored": the new job's parity; kept_parity: the survivors' spilled parity was kept (same layout);
+    # verified: it equals a fresh encode (checked under $LIGHTNING_DLROVER_VERIFY_PARITY=1), None: not checked
+    "parity_encoded": ("encode_s", "kept_parity", "encoded_ranks", "verified"),
     "fallback": ("why", "checkpoint", "failed_step", "steps_lost", "load_s"),  # checkpoint None: from step 0
     "resumed": (),  # the first step committed after a restore or fallback
     "digest": ("digest", "final"),

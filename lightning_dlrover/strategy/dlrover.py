@@ -35,7 +35,9 @@ from lightning_dlrover.checkpoint import directory, get_backend, job
 from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig, rank_state
 from lightning_dlrover.fault import membership
 from lightning_dlrover.fault.inprocess import InProcessRecovery, joining, take_rank_if_spare, world_group
-from lightning_dlrover.fault.launcher import node_range
+from lightning_dlrover.fault.launcher import node_range, under_torchrun
+from lightning_dlrover.fault.renumber import renumber_nodes
+from lightning_dlrover.fault.spill import spill_dir
 from lightning_dlrover.fault.process_group import BACKEND as RECONFIGURABLE
 from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
@@ -156,6 +158,13 @@ class DLRoverStrategy(DDPStrategy):
         interpreter exit."""
         self._assignment = take_rank_if_spare()
         super().setup_environment()
+        if self.parity is not None and under_torchrun() and not membership.enabled():
+            before = self.node_rank
+            if renumber_nodes(spill_dir(), before, self.local_rank, self.num_processes, self._timeout) is not None:
+                self.set_world_ranks()
+                if self.local_rank == 0:
+                    print(f"lightning_dlrover: node {before} takes back node rank {self.node_rank}, the one its "
+                          "spills were written under", flush=True)
         process_exit.install()
 
     @property

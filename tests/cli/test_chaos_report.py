@@ -25,8 +25,11 @@ RESTORED = dict(old_world_size=4, world_size=4, lost_ranks=[0, 1], decode_s=0.01
 def test_steps_lost_come_from_the_last_commit_and_the_resumed_step():
     events = [
         event("fault_injected", 100.0, 12, phase="before_forward", target="node", signal="SIGKILL", committed_step=12),
+        event("fault_injected", 100.0, 12, rank=1, phase="before_forward", target="node", signal="SIGKILL",
+              committed_step=12),  # every rank of the node records the node's one kill
         event("stopped", 100.05, 12, rank=2, reason="RuntimeError", spill="x", spill_s=0.01),
         event("restored", 110.0, 12, **RESTORED),
+        event("parity_encoded", 110.1, 12, encode_s=0.004, kept_parity=True, encoded_ranks=[0, 1], verified=True),
         event("digest", 110.5, 12, digest="a" * 64, final=False),
         event("resumed", 111.0, 13),
         event("digest", 130.0, 30, digest="f" * 64, final=True),
@@ -36,6 +39,9 @@ def test_steps_lost_come_from_the_last_commit_and_the_resumed_step():
     assert got["restored state equals the fault-free state at step 12"] == "yes"
     assert got["detection"].startswith("0.05 s") and got["time to resume"].startswith("11.00 s")
     assert got["digest match"] == "yes"
+    assert "kills" not in got  # one kill, though two ranks recorded it
+    assert got["parity after the restore"] == ("kept on the survivors, encoded for ranks [0, 1] in 0.004 s; "
+                                               "equals a fresh encode: yes")
 
 
 def test_an_unconfirmed_restore_is_not_reported_as_exact():

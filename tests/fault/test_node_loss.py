@@ -44,9 +44,18 @@ def assert_exact_recovery(summary: dict[str, str], step: int) -> None:
     assert summary["digest match"] == "yes", summary
 
 
+def assert_parity(summary: dict[str, str], encoded: str, kept: bool) -> None:
+    """The restored job's parity: kept on the survivors or not, encoded for ``encoded``, equal to a fresh encode."""
+    line = summary["parity after the restore"]
+    assert line.startswith(f"{'kept on the survivors, ' if kept else ''}encoded for ranks {encoded} in "), line
+    assert line.endswith("equals a fresh encode: yes"), line
+
+
 def test_replacement_before_forward_gives_the_fault_free_digest(replaced_before_forward):
     assert_exact_recovery(replaced_before_forward, 12)
     assert "decoded lost ranks [0, 1]" in replaced_before_forward["recovered"]
+    # the surviving node comes back as node 0; it takes back node rank 1 and keeps its parity
+    assert_parity(replaced_before_forward, "[0, 1]", kept=True)
     assert float(replaced_before_forward["detection"].split()[0]) < 20  # bounded by the 20 s collective timeout
 
 
@@ -55,6 +64,7 @@ def test_two_lost_ranks_at_r2_recover(workdir, replaced_before_forward):
                     "--trainer.strategy.init_args.parity.k=2", "--trainer.strategy.init_args.parity.r=2")
     assert "recovered step 5 of a 4-rank job onto 4 ranks: decoded lost ranks [2, 3]" in summary["recovered"]
     assert summary["final digest"] == replaced_before_forward["fault-free digest"]  # parity never changes training
+    assert_parity(summary, "[2, 3]", kept=True)
 
 
 def test_more_losses_than_parity_fall_back_to_the_last_checkpoint(workdir, replaced_before_forward):
@@ -77,6 +87,7 @@ def test_shrink_onto_the_survivors_then_grow_when_a_node_rejoins(workdir):
     shrink, grow = summary["recovered"].splitlines()
     assert summary["restored state equals the fault-free state at step 6"] == "yes"  # re-sharded onto 2 ranks
     assert "recovered step 6 of a 4-rank job onto 2 ranks: decoded lost ranks [2, 3]" in shrink
+    assert_parity(summary, "[0, 1]", kept=False)  # a new world: all of it encoded afresh
     # Growing, the agents SIGTERM every worker; one the launcher kills before it spills is decoded from parity.
     assert re.search(r"recovered step \d+ of a 2-rank job onto 4 ranks: (no rank lost|decoded lost ranks \[\d\])",
                      grow), grow

@@ -48,6 +48,22 @@ def test_spills_round_trip_privately_and_are_shared_out_by_local_rank(tmp_path):
     assert got.path == directory / "rank2.pt"
 
 
+def test_a_survivor_restarted_in_place_gets_its_own_spill_back(tmp_path):
+    # Node of old ranks 2 and 3 restarted as global ranks 2, 3; rank 2 died without spilling. Ranks 0 and 1 (another
+    # node's, e.g. a node that went away) are dealt out in turn.
+    directory = tmp_path / "spills"
+    for rank in (0, 1, 3):
+        write_spill(directory, spill(rank))
+    ahead = spill(3)
+    ahead.step, ahead.meta, ahead.rank_states, ahead.tentative = 4, None, None, True
+    write_spill(directory, ahead)
+    shares = [read_spills(directory, local, 2, rank=2 + local)[0] for local in (0, 1)]
+    assert [(s.rank, s.tentative) for s in shares[0]] == [(0, False)]
+    assert [(s.rank, s.tentative) for s in shares[1]] == [(3, True), (3, False), (1, False)]
+    # Without the global rank, in turn (what a worker of a node with other ranks gets)
+    assert [s.rank for s in read_spills(directory, 1, 2)[0]] == [1, 3]
+
+
 def test_a_tentative_spill_sits_beside_the_committed_one(tmp_path):
     directory = tmp_path / "spills"
     ahead = spill(2)
