@@ -16,7 +16,12 @@ The time from the kill to the first committed step after it is split, from the j
 - restart: from there to the restored state, less the restore itself (workers exit, the agents
   re-rendezvous, new workers import torch and build and shard the model);
 - restore: decode + re-shard (``parity``) or the checkpoint load (``dcp``, ``torchsnapshot``);
-- first step: restored state to the first committed step.
+- first step: restored state to the first committed step; it includes ``encode``, the new job's parity (only
+  the lost ranks' share where the survivors keep theirs: ``kept``).
+
+``parity-fresh`` is ``parity`` with the nodes left in ``torchrun``'s numbering
+(``LIGHTNING_DLROVER_RENUMBER_NODES=0``): the surviving node comes back under the other node's ranks, so its
+spills are re-sharded across the network and all parity is encoded afresh, as before the renumbering.
 
 ``restore x`` is the checkpoint load time over parity's decode + re-shard, ``total x`` the same for
 kill-to-resume. A checkpoint every N steps also loses N/2 steps of work on average: ``lost/10`` and
@@ -29,6 +34,7 @@ kill-to-resume. A checkpoint every N steps also loses N/2 steps of work on avera
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import tempfile
@@ -38,6 +44,7 @@ from pathlib import Path
 import yaml
 
 from lightning_dlrover.cli import chaos
+from lightning_dlrover.fault.renumber import RENUMBER_ENV
 
 CONFIG = Path(str(chaos.DEFAULT_CONFIG))
 _STEP_MS = re.compile(r"^Throughput over \d+ steps.*\n.*\n-+\n\s*0\s+[\d.]+\s+([\d.]+)", re.MULTILINE)
@@ -68,6 +75,8 @@ def job_config(rows: int, dim: int, method: str, at_step: int, steps: int, workd
 
 def measure(rows: int, dim: int, method: str, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     """Runs one drill and returns its timings (seconds) from the jobs' own timestamps."""
+    os.environ[RENUMBER_ENV] = "0" if method == "parity-fresh" else "1"
+    method = "parity" if method == "parity-fresh" else method
     config = job_config(rows, dim, method, args.at_step, args.at_step + args.after_steps, workdir)
     drill = chaos.parse_args(["--config", str(config), "--kill-node", "0", "--at-step", str(args.at_step),
                               "--replace", "--no-reference", "--workdir", str(workdir / f"{method}-{rows}")])
@@ -75,7 +84,7 @@ def measure(rows: int, dim: int, method: str, args: argparse.Namespace, workdir:
     finished, events = chaos._faulted_run(drill)
     if not finished:
         sys.exit(f"{method} at {rows} rows did not finish; logs in {drill.workdir}")
-    output = (drill.workdir / "faulted" / "node0.log").read_text() + (drill.workdir / "faulted" / "node1.log").read_text()
+    output = "".join(log.read_text() for log in sorted((drill.workdir / "faulted").glob("node*.log")))
     first = {kind: next((e for e in events if e.kind == kind), None) for kind in ("fault_injected", "stopped", "resumed")}
     kill, resumed = first["fault_injected"].time, first["resumed"].time
     # every rank of a stopped job records "stopped" (with or without parity); nan if none got to it
@@ -84,10 +93,13 @@ def measure(rows: int, dim: int, method: str, args: argparse.Namespace, workdir:
         event = next(e for e in events if e.kind == "restored")
         at, decode, reshard = event.time, event["decode_s"], event["reshard_s"]
         restore = decode + reshard
+        encoded = next(e for e in events if e.kind == "parity_encoded")
+        encode, kept = encoded["encode_s"], "yes" if encoded["kept_parity"] else "no"
     else:
         event = next(e for e in events if e.kind == "fallback")
         at, restore = event.time, event["load_s"]
-        decode = reshard = float("nan")
+        decode = reshard = encode = float("nan")
+        kept = "-"
         if event["steps_lost"] != 0:
             sys.exit(f"{method}: the checkpoint run lost {event['steps_lost']} steps; expected a checkpoint at the kill")
     return {
@@ -97,6 +109,8 @@ def measure(rows: int, dim: int, method: str, args: argparse.Namespace, workdir:
         "reshard": reshard,
         "restore": restore,
         "first_step": resumed - at,
+        "encode": encode,
+        "kept": kept,
         "total": resumed - kill,
         "step": float(_STEP_MS.findall(output)[-1]) / 1000,  # rank 0's mean step after the restart
         "wall": time.time() - started,
@@ -107,7 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[20_000, 100_000], help="rows per table")
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--methods", nargs="+", default=["parity", "dcp", "torchsnapshot"])
+    parser.add_argument("--methods", nargs="+", default=["parity", "parity-fresh", "dcp", "torchsnapshot"])
     parser.add_argument("--at-step", type=int, default=8)
     parser.add_argument("--after-steps", type=int, default=12, help="steps trained after the kill")
     parser.add_argument("--quick", action="store_true", help="one small size")
@@ -124,7 +138,7 @@ def main() -> None:
           f"SIGKILLed before step {args.at_step}, a replacement joins. 26 tables x {args.dim} columns, fp32, "
           "row-wise Adagrad. Seconds from the jobs' own timestamps.")
     header = (f"{'emb MiB':>8} {'method':<14} {'detect':>7} {'restart':>8} {'decode':>7} {'reshard':>8} "
-              f"{'restore':>8} {'1st step':>9} {'total':>7} {'step':>6} {'restore x':>10} {'total x':>8} "
+              f"{'restore':>8} {'encode':>7} {'kept':>5} {'1st step':>9} {'total':>7} {'step':>6} {'restore x':>10} {'total x':>8} "
               f"{'lost/10':>8} {'lost/100':>9}")
     print(header)
     print("-" * len(header))
@@ -134,10 +148,10 @@ def main() -> None:
             step_s = r["step"]
             restore_x = r["restore"] / base["restore"] if base else float("nan")
             total_x = r["total"] / base["total"] if base else float("nan")
-            lost10 = r["total"] + (0 if method == "parity" else 5 * step_s)
-            lost100 = r["total"] + (0 if method == "parity" else 50 * step_s)
+            lost10 = r["total"] + (0 if method.startswith("parity") else 5 * step_s)
+            lost100 = r["total"] + (0 if method.startswith("parity") else 50 * step_s)
             print(f"{emb_mib[rows]:>8.0f} {method:<14} {r['detect']:>7.2f} {r['restart']:>8.2f} {r['decode']:>7.3f} "
-                  f"{r['reshard']:>8.3f} {r['restore']:>8.3f} {r['first_step']:>9.2f} {r['total']:>7.2f} "
+                  f"{r['reshard']:>8.3f} {r['restore']:>8.3f} {r['encode']:>7.3f} {r['kept']:>5} {r['first_step']:>9.2f} {r['total']:>7.2f} "
                   f"{step_s:>6.3f} {restore_x:>10.1f} {total_x:>8.2f} {lost10:>8.2f} {lost100:>9.2f}")
     print("restore x / total x: the method's restore / kill-to-resume time over parity's. lost/N: total plus the "
           "replay of N/2 steps that a checkpoint every N steps loses on average (parity: none).")
@@ -146,6 +160,11 @@ def main() -> None:
             ratio = results["parity"]["restore"] / results["dcp"]["restore"]
             print(f"{emb_mib[rows]:.0f} MiB: parity restore / dcp restore = {ratio:.2f} "
                   f"(target <= 1: {'yes' if ratio <= 1 else 'NO'})")
+        if "parity" in results and "parity-fresh" in results:
+            kept, fresh = results["parity"], results["parity-fresh"]
+            print(f"{emb_mib[rows]:.0f} MiB: renumbered nodes / torchrun's numbering: restore "
+                  f"{kept['restore'] / fresh['restore']:.2f}x, encode {kept['encode'] / fresh['encode']:.2f}x, "
+                  f"1st step {kept['first_step'] / fresh['first_step']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
+#: Environment variable: ``0`` keeps ``torchrun``'s numbering (every restore then re-encodes all parity).
+RENUMBER_ENV = "LIGHTNING_DLROVER_RENUMBER_NODES"
 _stores: list[dist.Store] = []  # the world's store outlives the group it was built for (its server may be here)
 
 
@@ -53,6 +55,8 @@ def renumber_nodes(directory: Path | None, node_rank: int, local_rank: int, loca
     """Collective on the default group, right after it is created: when the nodes must be renumbered (see
     :func:`old_node_ranks`), rebuilds the group with every rank at ``old node * local_world_size + local_rank``,
     updates ``RANK``, ``GROUP_RANK`` and ``ROLE_RANK`` to match and returns this node's new rank; else ``None``."""
+    if os.environ.get(RENUMBER_ENV, "1") == "0":
+        return None
     world = dist.get_world_size()
     facts: list[tuple[int, list[int], str]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(facts, (node_rank, spilled_ranks(directory) if local_rank == 0 else [], uuid.uuid4().hex))
