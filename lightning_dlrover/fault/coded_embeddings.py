@@ -29,6 +29,7 @@ tentative spills of step ``s`` (:class:`~lightning_dlrover.fault.spill.Spill`). 
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any
 
 import torch
@@ -111,9 +112,15 @@ class CodedEmbeddings:
         """Encodes after a restore that kept the layout (collective): this rank takes ``parity``, its share as its
         previous incarnation spilled it (``None`` on a ``lost`` rank), and only the ``lost`` ranks' shares are encoded
         from the restored data."""
-        if parity is not None:
-            self.parity.copy_(parity)
-        combine(self._parity_combinations(lost))
+        # The copy (no GIL) runs beside the exchange: the lost ranks wait on this rank's sends, not on its copy.
+        copy = threading.Thread(target=self.parity.copy_, args=(parity,)) if parity is not None else None
+        if copy is not None:
+            copy.start()
+        try:
+            combine(self._parity_combinations(lost))
+        finally:
+            if copy is not None:
+                copy.join()
         self.state.commit()
         self._pending.clear()
 
