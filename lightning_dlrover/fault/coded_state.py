@@ -277,7 +277,8 @@ class CodedState:
 
     def logged(self) -> list[tuple[int, Tensor, Tensor, Tensor]]:
         """``(segment, rows, at, log)`` for every segment changed since :meth:`commit`: the touched rows in increasing
-        order, and the segment's undo log, where ``log[at[i]]`` is the committed value of ``rows[i]`` (no copy)."""
+        order, and the segment's undo log, where ``log[at[i]]`` is the committed value of ``rows[i]`` (no copy; valid
+        until the next forward or commit)."""
         out = []
         for table, log in self._logs.items():
             if len(log):

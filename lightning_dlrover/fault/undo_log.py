@@ -2,10 +2,11 @@
 
 A table's segments (its weights and each optimizer state, all ``[rows, ...]``) share one log. A row is logged
 once per commit window, at its first touch, with the values it had then (the committed ones); later touches in the
-window leave it alone. The log keeps its rows in the order they were first touched and the values beside them in
-preallocated buffers that grow by doubling and are kept across commits, so a step appends and a commit
-forgets without reordering or copying values. Readers get the rows in increasing order and, for each, its place in
-the log (:meth:`UndoLog.sorted`).
+window leave it alone. The log keeps its rows by the capture that first touched them (each capture's new rows in
+increasing order) and the values beside them, in preallocated buffers that grow by doubling and are kept across
+commits, so a step appends and a commit forgets without reordering or copying values. Readers get the rows in
+increasing order and, for each, its place in the log (:meth:`UndoLog.sorted`): with one capture per window (a
+commit every step) that is the log itself.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ class UndoLog:
         #: ``values[j][i]``: the committed value of ``tables[j]`` at ``rows[i]``.
         self.values = [torch.empty((0, *t.shape[1:]), dtype=t.dtype) for t in tables]
         self._n = 0
+        self._ordered = True  # rows[:n] is increasing
         self._sorted: tuple[Tensor, Tensor] | None = None
+        self._places = torch.arange(0)  # 0, 1, ... (the places of an increasing log)
         self._raw = self.num_rows < 2**31  # the C kernels' row -> place index is int32
 
     def __len__(self) -> int:
@@ -54,7 +57,7 @@ class UndoLog:
         n = self._n
         rows = torch.empty(cap, dtype=torch.int64)
         rows[:n] = self.rows[:n]
-        self.rows = rows
+        self.rows, self._places = rows, torch.arange(cap)
         for j, old in enumerate(self.values):
             values = torch.empty((cap, *old.shape[1:]), dtype=old.dtype)
             values[:n] = old[:n]
@@ -72,29 +75,35 @@ class UndoLog:
             ids = ids.contiguous()
             n = gf_cpu.undo_mark_raw(ids.data_ptr(), m, self.pos.data_ptr(), self.num_rows, self.rows.data_ptr(), n0,
                                      self.rows.shape[0])
-        else:
+        else:  # the same log without the C kernels (function calls: cheaper than tensor indexing)
             fresh = torch.unique(ids)
-            if fresh[0] < 0 or fresh[-1] >= self.num_rows:
-                raise ValueError(f"ids in [{int(fresh[0])}, {int(fresh[-1])}] are out of range for a table of "
-                                 f"{self.num_rows} rows; the input's ids must index the table's shard")
-            fresh = fresh[self.pos[fresh] < 0]
+            lo, hi = fresh[[0, -1]].tolist()
+            if lo < 0 or hi >= self.num_rows:
+                raise ValueError(f"ids in [{lo}, {hi}] are out of range for a table of {self.num_rows} rows; the "
+                                 "input's ids must index the table's shard")
+            fresh = torch.masked_select(fresh, self.pos.index_select(0, fresh).lt(0))  # increasing, as the C kernel's
             n = n0 + fresh.numel()
-            self.rows[n0:n] = fresh
-            self.pos[fresh] = torch.arange(n0, n, dtype=torch.int32)
+            self.rows.narrow(0, n0, n - n0).copy_(fresh)
+            self.pos.index_copy_(0, fresh, self._places.narrow(0, n0, n - n0).to(torch.int32))
         if n == n0:
             return
-        new = self.rows[n0:n]
+        new = self.rows.narrow(0, n0, n - n0)
         for table, values in zip(self.tables, self.values):
-            torch.index_select(table, 0, new, out=values[n0:n])
+            torch.index_select(table, 0, new, out=values.narrow(0, n0, n - n0))
+        if self._ordered and n0:
+            first, last = self.rows.narrow(0, n0 - 1, 2).tolist()
+            self._ordered = first < last
         self._n, self._sorted = n, None
 
     def sorted(self) -> tuple[Tensor, Tensor]:
         """``(rows, at)``: the logged rows in increasing order (int64 ``[n]``) and their places in the log, so that
-        ``values[j][at[i]]`` is the committed value of ``tables[j]`` at ``rows[i]``. Fresh tensors, cached until the
-        log changes."""
+        ``values[j][at[i]]`` is the committed value of ``tables[j]`` at ``rows[i]``. Valid until the log changes
+        (:meth:`capture`, :meth:`clear`): they may be views of its buffers."""
         if self._sorted is None:
             n = self._n
-            if self._raw and gf_cpu.has_undo_kernels() and self.num_rows <= SCAN_RATIO * n:
+            if self._ordered:
+                rows, at = self.rows[:n], self._places[:n]
+            elif self._raw and gf_cpu.has_undo_kernels() and self.num_rows <= SCAN_RATIO * n:
                 rows, at = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
                 gf_cpu.undo_sorted_raw(self.pos.data_ptr(), self.num_rows, rows.data_ptr(), at.data_ptr(), n)
             else:  # the logged rows are distinct: the sort's order is unique
@@ -117,4 +126,4 @@ class UndoLog:
         """Forgets the logged rows (the current values become the committed ones); the buffers are kept."""
         if self._n:
             self.pos.index_fill_(0, self.rows[: self._n], -1)
-        self._n, self._sorted = 0, None
+        self._n, self._sorted, self._ordered = 0, None, True

@@ -557,7 +557,23 @@ static PyObject *py_gather_xor_at(PyObject *self, PyObject *args) {
 
 /* ---------------------------------------------------------------- undo log of touched rows
  * A table's undo log: pos[row] (int32) is the row's place in the log since the last commit, -1 if not logged;
- * log_rows (int64) lists the logged rows in the order they were first touched. */
+ * log_rows (int64) lists the logged rows by the capture that first touched them, each capture's in increasing order. */
+
+/* Sorts keys[0:m] (each < 2^(8 * bytes)) in place, least significant byte first; tmp holds m keys. */
+static void radix_sort(int64_t *keys, int64_t *tmp, size_t m, int bytes) {
+    int64_t *src = keys, *dst = tmp;
+    for (int b = 0; b < bytes; b++) {
+        size_t count[257] = {0};
+        const int shift = 8 * b;
+        for (size_t t = 0; t < m; t++) count[((uint64_t)src[t] >> shift & 255) + 1]++;
+        for (int d = 0; d < 256; d++) count[d + 1] += count[d];
+        for (size_t t = 0; t < m; t++) dst[count[(uint64_t)src[t] >> shift & 255]++] = src[t];
+        int64_t *swap = src;
+        src = dst;
+        dst = swap;
+    }
+    if (src != keys) memcpy(keys, src, m * sizeof(int64_t));
+}
 
 static PyObject *py_undo_mark(PyObject *self, PyObject *args) {
     PyObject *ids_obj, *pos_obj, *log_obj;
@@ -573,15 +589,23 @@ static PyObject *py_undo_mark(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (!check_indices(ids, m, num_rows, "ids")) return NULL;
+    int64_t *tmp = (int64_t *)PyMem_RawMalloc((m ? (size_t)m : 1) * sizeof(int64_t));
+    if (tmp == NULL) return PyErr_NoMemory();
+    const Py_ssize_t first = n;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t t = 0; t < m; t++) {
+    for (Py_ssize_t t = 0; t < m; t++) {  /* each new id once: its place is claimed, numbered below */
         const int64_t id = ids[t];
         if (pos[id] < 0) {
-            pos[id] = (int32_t)n;
+            pos[id] = INT32_MAX;
             log_rows[n++] = id;
         }
     }
+    int bytes = 0;
+    for (uint64_t top = num_rows > 0 ? (uint64_t)(num_rows - 1) : 0; top; top >>= 8) bytes++;
+    radix_sort(log_rows + first, tmp, (size_t)(n - first), bytes);
+    for (Py_ssize_t i = first; i < n; i++) pos[log_rows[i]] = (int32_t)i;
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(tmp);
     return PyLong_FromSsize_t(n);
 }
 
@@ -599,11 +623,11 @@ static PyObject *py_undo_sorted(PyObject *self, PyObject *args) {
     }
     Py_ssize_t count = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t row = 0; row < num_rows && count < n; row++) {
-        if (pos[row] >= 0) {
-            rows[count] = row;
-            at[count++] = pos[row];
-        }
+    for (Py_ssize_t row = 0; row < num_rows && count < n; row++) {  /* branch-free: the marks are dense and random */
+        const int32_t p = pos[row];
+        rows[count] = row;
+        at[count] = p;
+        count += p >= 0;
     }
     Py_END_ALLOW_THREADS
     if (count != n) {
@@ -626,7 +650,8 @@ static PyMethodDef methods[] = {
     {"undo_mark", py_undo_mark, METH_VARARGS,
      "undo_mark(ids: int, m: int, pos: int, num_rows: int, log_rows: int, n: int, cap: int) -> int\n\n"
      "Appends to log_rows (int64, n rows logged, room for cap) each of ids (int64 [m]) not logged yet\n"
-     "(pos[id] < 0, pos int32 [num_rows]), once, setting pos[id] to its place; returns the new n. Raises\n"
+     "(pos[id] < 0, pos int32 [num_rows]), once and in increasing order, setting pos[id] to its place;\n"
+     "returns the new n. Raises\n"
      "ValueError, changing nothing, if an id is out of range or cap < min(num_rows, n + m)."},
     {"undo_sorted", py_undo_sorted, METH_VARARGS,
      "undo_sorted(pos: int, num_rows: int, rows: int, at: int, n: int) -> int\n\n"

@@ -95,3 +95,20 @@ def test_gather_xor_at_matches_torch():
     with pytest.raises(ValueError, match="out of range"):
         gf_cpu.gather_xor_at_raw(out.data_ptr(), table.data_ptr(), 50, rows.data_ptr(), 20, old.data_ptr(), 30,
                                  bad.data_ptr(), 12)
+
+
+def test_kernels_and_fallback_keep_the_same_log():
+    """The C kernels and the torch fallback log the same rows in the same places (each capture's in increasing order)."""
+    if not gf_cpu.has_undo_kernels():
+        pytest.skip("the C extension is not built with the undo-log kernels")
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(5000, 3, generator=gen)
+    native, fallback = UndoLog([weight]), UndoLog([weight])
+    fallback._raw = False
+    for _ in range(5):
+        ids = power_law_ids(gen, 5000, 700)
+        native.capture(ids)
+        fallback.capture(ids)
+        n = len(native)
+        assert n == len(fallback) and torch.equal(native.rows[:n], fallback.rows[:n])
+        assert torch.equal(native.pos, fallback.pos) and torch.equal(native.values[0][:n], fallback.values[0][:n])
