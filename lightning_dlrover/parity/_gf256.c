@@ -480,10 +480,15 @@ fail:
  * current bytes of updated rows and XORs in their previous bytes, writing each delta once. */
 static void gather_xor(uint8_t *out, const uint8_t *table, const int64_t *rows, size_t m,
                        const uint8_t *old, const int64_t *at, size_t row_bytes) {
+    const size_t ahead = 8;
     for (size_t t = 0; t < m; t++) {
-        if (t + 4 < m) {
-            __builtin_prefetch(table + (size_t)rows[t + 4] * row_bytes, 0, 1);
-            if (at) __builtin_prefetch(old + (size_t)at[t + 4] * row_bytes, 0, 1);
+        if (t + ahead < m) {  /* every line of the rows ahead: one prefetch per row leaves the rest to chance */
+            const uint8_t *a = table + (size_t)rows[t + ahead] * row_bytes;
+            const uint8_t *b = at ? old + (size_t)at[t + ahead] * row_bytes : NULL;
+            for (size_t i = 0; i < row_bytes; i += 64) {
+                __builtin_prefetch(a + i, 0, 1);
+                if (b) __builtin_prefetch(b + i, 0, 1);
+            }
         }
         const uint8_t *a = table + (size_t)rows[t] * row_bytes, *b = old + (at ? (size_t)at[t] : t) * row_bytes;
         uint8_t *d = out + t * row_bytes;
