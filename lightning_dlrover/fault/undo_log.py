@@ -58,6 +58,7 @@ class UndoLog:
         rows = torch.empty(cap, dtype=torch.int64)
         rows[:n] = self.rows[:n]
         self.rows, self._places = rows, torch.arange(cap)
+        self._places32 = self._places.to(torch.int32)
         for j, old in enumerate(self.values):
             values = torch.empty((cap, *old.shape[1:]), dtype=old.dtype)
             values[:n] = old[:n]
@@ -77,14 +78,15 @@ class UndoLog:
                                      self.rows.shape[0])
         else:  # the same log without the C kernels (function calls: cheaper than tensor indexing)
             fresh = torch.unique(ids)
-            lo, hi = fresh[[0, -1]].tolist()
-            if lo < 0 or hi >= self.num_rows:
-                raise ValueError(f"ids in [{lo}, {hi}] are out of range for a table of {self.num_rows} rows; the "
-                                 "input's ids must index the table's shard")
-            fresh = torch.masked_select(fresh, self.pos.index_select(0, fresh).lt(0))  # increasing, as the C kernel's
+            try:
+                logged = self.pos.index_select(0, fresh)
+            except IndexError as error:
+                raise ValueError(f"ids in [{int(fresh[0])}, {int(fresh[-1])}] are out of range for a table of "
+                                 f"{self.num_rows} rows; the input's ids must index the table's shard") from error
+            fresh = torch.masked_select(fresh, logged.lt(0))  # increasing, as the C kernel logs them
             n = n0 + fresh.numel()
             self.rows.narrow(0, n0, n - n0).copy_(fresh)
-            self.pos.index_copy_(0, fresh, self._places.narrow(0, n0, n - n0).to(torch.int32))
+            self.pos.index_copy_(0, fresh, self._places32.narrow(0, n0, n - n0))
         if n == n0:
             return
         new = self.rows.narrow(0, n0, n - n0)
