@@ -66,7 +66,8 @@ class OldCodedState(CodedState):
         rows = torch.unique(ids.to(torch.int64))
         seen = self._seen.get(table)
         if seen is None:
-            seen = self._seen[table] = torch.zeros(self.segments[self._segments_of_table[table][0]].rows, dtype=torch.bool)
+            rows_of_table = self.segments[self._segments_of_table[table][0]].rows
+            seen = self._seen[table] = torch.zeros(rows_of_table, dtype=torch.bool)
         if table in self._touched:
             rows = rows[~seen[rows]]
         if not rows.numel():
@@ -271,8 +272,8 @@ def run(args: argparse.Namespace) -> list[str]:
              f"{'x floor':>9}{'x old':>7}{'% step':>8}"]
     lines.append("-" * len(lines[-1]))
     for n in args.windows:
-        totals = {impl: med([sum(parts) for parts in zip(*(windows[n, impl, p] for p in ("capture", "read", "deltas")))])
-                  for impl in impls}
+        parts_of = {impl: zip(*(windows[n, impl, p] for p in ("capture", "read", "deltas"))) for impl in impls}
+        totals = {impl: med([sum(parts) for parts in parts_of[impl]]) for impl in impls}
         for impl in impls:
             parts = [med(windows[n, impl, p]) for p in ("capture", "read", "deltas")]
             lines.append(f"{n:>3} {impl:<10}{med(windows[n, 'rows']):>10.0f}{parts[0]:>9.2f}{parts[1]:>8.2f}"

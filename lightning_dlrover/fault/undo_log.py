@@ -35,7 +35,7 @@ class UndoLog:
             raise ValueError(f"segments of one table must have the same rows; got {[t.shape[0] for t in tables]}")
         #: ``pos[row]``: the row's place in the log, -1 if it is not logged.
         self.pos = torch.full((self.num_rows,), -1, dtype=torch.int32)
-        #: Logged rows (``rows[:len(self)]``) by the capture that first touched them, each capture's in increasing order.
+        #: Logged rows (``rows[:len(self)]``) by the capture that first touched them, each capture's increasing.
         self.rows = torch.empty(0, dtype=torch.int64)
         #: ``values[j][i]``: the committed value of ``tables[j]`` at ``rows[i]``.
         self.values = [torch.empty((0, *t.shape[1:]), dtype=t.dtype) for t in tables]

@@ -98,7 +98,7 @@ def test_gather_xor_at_matches_torch():
 
 
 def test_kernels_and_fallback_keep_the_same_log():
-    """The C kernels and the torch fallback log the same rows in the same places (each capture's in increasing order)."""
+    """The C kernels and the torch fallback log the same rows in the same places (each capture's increasing)."""
     if not gf_cpu.has_undo_kernels():
         pytest.skip("the C extension is not built with the undo-log kernels")
     gen = torch.Generator().manual_seed(3)
