@@ -139,20 +139,20 @@ class CodedEmbeddings:
         stays undoable (:meth:`rollback`) until :meth:`decide`.
 
         Each delta is written once, straight into the message to its first parity holder (one gather-XOR pass of the
-        new rows against the undo log); further holders (``r > 1``) get a copy. A message is int64 words ``length,
-        blocks``, then ``p, chunk, row_bytes, n`` per block, then every block's ``n`` row slots, then the blocks'
+        new rows against the undo log, read in place); further holders (``r > 1``) get a copy. A message is int64
+        words ``length, blocks``, then ``p, chunk, row_bytes, n`` per block, then every block's ``n`` row slots, then the blocks'
         delta bytes (each 8-byte aligned).
         """
         blocks: dict[int, list[tuple[int, int, int, int, int]]] = {dst: [] for dst in self._partners_out}
         rows_of, old_of, slots_of = {}, {}, {}
-        for index, rows, old in self.state.touched():
-            rows_of[index], old_of[index] = rows, old
+        for index, rows, at, log in self.state.logged():
+            rows_of[index], old_of[index] = rows, (at, log)
             for chunk, lo, hi, slots in self.state.split_by_chunk(index, rows):
                 slots_of[index, lo] = slots
                 group = self.placement.group_of_chunk(self.rank, chunk)
                 for p in range(self.placement.r):
                     blocks[self.placement.parity_rank(group, p)].append((p, chunk, index, lo, hi))
-        raw = gf_cpu.has_raw_kernels()
+        raw = gf_cpu.has_undo_kernels()
         written: dict[tuple[int, int], tuple[int, Tensor]] = {}
         messages, self.sent_bytes = {}, 0
         for dst, plan in blocks.items():
@@ -176,17 +176,17 @@ class CodedEmbeddings:
                     ctypes.memmove(base + offset, written[index, lo][0], n * segment.row_bytes)
                     continue
                 written[index, lo] = (base + offset, message)
-                rows, old = rows_of[index], old_of[index]
+                rows, (at, log) = rows_of[index], old_of[index]  # the committed value of rows[i] is log[at[i]]
                 if raw and segment.tensor.is_contiguous():
-                    gf_cpu.gather_xor_raw(base + offset, segment.tensor.data_ptr(), segment.rows,
-                                          rows.data_ptr() + 8 * lo, n, old.data_ptr() + lo * segment.row_bytes,
-                                          segment.row_bytes)
+                    gf_cpu.gather_xor_at_raw(base + offset, segment.tensor.data_ptr(), segment.rows,
+                                             rows.data_ptr() + 8 * lo, n, log.data_ptr(), log.shape[0],
+                                             at.data_ptr() + 8 * lo, segment.row_bytes)
                     continue
                 out = message[offset : offset + n * segment.row_bytes].view(segment.tensor.dtype)
                 out = out.view(n, *segment.tensor.shape[1:])
                 torch.index_select(segment.tensor, 0, rows[lo:hi], out=out)
                 kind = INT_OF_SIZE[out.element_size()]  # XOR whole elements: fewer, wider operations than bytes
-                out.view(kind).bitwise_xor_(old[lo:hi].view(kind))
+                out.view(kind).bitwise_xor_(log.index_select(0, at[lo:hi]).view(kind))
             messages[dst] = message
             self.sent_bytes += message.numel()
         self._mailbox.post(messages)

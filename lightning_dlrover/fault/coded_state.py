@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from lightning_dlrover.checkpoint.sharded import flatten
+from lightning_dlrover.fault.undo_log import UndoLog
 from lightning_dlrover.parity import as_bytes
 
 
@@ -164,11 +165,8 @@ class CodedState:
             )
             for pieces in ([p for p in self.pieces if p.segment == i] for i in range(len(self.segments)))
         ]
-        # Rows of each table touched since the last commit and each segment's committed values of them, as parts
-        # appended by every forward (a row once: the bitmap of touched rows), merged in row order when read.
-        self._touched: dict[int, list[Tensor]] = {}
-        self._undo: dict[int, list[Tensor]] = {}
-        self._seen: dict[int, Tensor] = {}
+        #: Each table's undo log: the rows touched since the last commit and their committed values.
+        self._logs = {t: UndoLog([self.segments[i].tensor for i in seg]) for t, seg in self._segments_of_table.items()}
 
     def share_layout(self) -> None:
         """Gathers every rank's segment specs and agrees on the chunk length (collective; a rank joining a running
@@ -266,7 +264,8 @@ class CodedState:
             position = 0
             for t, table in enumerate(kernel.config.embedding_tables):
                 count = len(table.feature_names)
-                self._touch(first_table + t, torch.cat(values[position : position + count]))
+                ids = values[position] if count == 1 else torch.cat(values[position : position + count])
+                self._touch(first_table + t, ids)
                 position += count
 
         return hook
@@ -274,45 +273,33 @@ class CodedState:
     def _touch(self, table: int, ids: Tensor) -> None:
         """Records rows of ``table`` about to be updated and saves their current values (the undo log); rows already
         touched since the last commit keep their first (committed) values."""
-        rows = torch.unique(ids.to(torch.int64))
-        seen = self._seen.get(table)
-        if seen is None:
-            seen = self._seen[table] = torch.zeros(self.segments[self._segments_of_table[table][0]].rows, dtype=torch.bool)
-        if table in self._touched:  # a later forward since the commit
-            rows = rows[~seen[rows]]
-        if not rows.numel():
-            return
-        seen[rows] = True
-        self._touched.setdefault(table, []).append(rows)
-        for index in self._segments_of_table[table]:
-            self._undo.setdefault(index, []).append(self.segments[index].tensor.index_select(0, rows))
+        self._logs[table].capture(ids)
+
+    def logged(self) -> list[tuple[int, Tensor, Tensor, Tensor]]:
+        """``(segment, rows, at, log)`` for every segment changed since :meth:`commit`: the touched rows in increasing
+        order, and the segment's undo log, where ``log[at[i]]`` is the committed value of ``rows[i]`` (no copy; valid
+        until the next forward or commit)."""
+        out = []
+        for table, log in self._logs.items():
+            if len(log):
+                rows, at = log.sorted()
+                out += [(index, rows, at, log.values[j]) for j, index in enumerate(self._segments_of_table[table])]
+        return sorted(out, key=lambda entry: entry[0])
 
     def touched(self) -> list[tuple[int, Tensor, Tensor]]:
         """``(segment, rows, old)`` for every segment changed since :meth:`commit`: the touched rows in increasing
-        order and their committed values (aligned with ``rows``)."""
-        for table, parts in self._touched.items():
-            if len(parts) > 1:  # several forwards since the commit: merge once, in row order
-                rows = torch.cat(parts)
-                order = torch.argsort(rows)
-                self._touched[table] = [rows[order]]
-                for j in self._segments_of_table[table]:
-                    if j in self._undo:
-                        self._undo[j] = [torch.cat(self._undo[j])[order]]
-        return [(index, self._touched[self.segments[index].table][0], old[0]) for index, old in self._undo.items()]
+        order and their committed values (aligned with ``rows``; a copy, see :meth:`logged`)."""
+        return [(index, rows, log.index_select(0, at)) for index, rows, at, log in self.logged()]
 
     def rollback(self) -> None:
         """Restores every row touched since :meth:`commit` to its committed values."""
-        for index, rows, old in self.touched():
-            self.segments[index].tensor.index_copy_(0, rows, old)
-        self.commit()
+        for log in self._logs.values():
+            log.rollback()
 
     def commit(self) -> None:
         """Forgets the undo log: the current bytes become the committed state."""
-        for table, parts in self._touched.items():
-            for rows in parts:
-                self._seen[table][rows] = False
-        self._touched.clear()
-        self._undo.clear()
+        for log in self._logs.values():
+            log.clear()
 
     def close(self) -> None:
         """Removes the forward hooks."""

@@ -1,7 +1,8 @@
 /*
  * GF(2^8) multiply-accumulate kernels for lightning_dlrover.parity (CPU).
  *
- * Two operations, both over raw byte buffers (and gather_xor, the row deltas parity commits send):
+ * Two operations, both over raw byte buffers (and gather_xor, the row deltas parity commits send, and the undo
+ * log of touched rows those deltas are taken against: undo_mark, undo_sorted):
  *   matmul:      dst[j] = (accumulate ? dst[j] : 0) ^ XOR_i c[j][i] * src[i]      (j < r, i < k)
  *   update_rows: parity[p][rows[t]] ^= c[p] * delta[t]                            (p < P, t < m)
  * where a "row" is row_bytes consecutive bytes and parity shards lie shard_stride bytes apart.
@@ -475,13 +476,21 @@ fail:
     return NULL;
 }
 
-/* out[t] = table[rows[t]] ^ old[t] over rows of row_bytes bytes (t < m): one pass that gathers the current
- * bytes of updated rows and XORs in their previous bytes, writing each delta once. */
+/* out[t] = table[rows[t]] ^ old[at ? at[t] : t] over rows of row_bytes bytes (t < m): one pass that gathers the
+ * current bytes of updated rows and XORs in their previous bytes, writing each delta once. */
 static void gather_xor(uint8_t *out, const uint8_t *table, const int64_t *rows, size_t m,
-                       const uint8_t *old, size_t row_bytes) {
+                       const uint8_t *old, const int64_t *at, size_t row_bytes) {
+    const size_t ahead = 8;
     for (size_t t = 0; t < m; t++) {
-        if (t + 4 < m) __builtin_prefetch(table + (size_t)rows[t + 4] * row_bytes, 0, 1);
-        const uint8_t *a = table + (size_t)rows[t] * row_bytes, *b = old + t * row_bytes;
+        if (t + ahead < m) {  /* every line of the rows ahead: one prefetch per row leaves the rest to chance */
+            const uint8_t *a = table + (size_t)rows[t + ahead] * row_bytes;
+            const uint8_t *b = at ? old + (size_t)at[t + ahead] * row_bytes : NULL;
+            for (size_t i = 0; i < row_bytes; i += 64) {
+                __builtin_prefetch(a + i, 0, 1);
+                if (b) __builtin_prefetch(b + i, 0, 1);
+            }
+        }
+        const uint8_t *a = table + (size_t)rows[t] * row_bytes, *b = old + (at ? (size_t)at[t] : t) * row_bytes;
         uint8_t *d = out + t * row_bytes;
         size_t i = 0;
         for (; i + 8 <= row_bytes; i += 8) {
@@ -493,6 +502,17 @@ static void gather_xor(uint8_t *out, const uint8_t *table, const int64_t *rows, 
         }
         for (; i < row_bytes; i++) d[i] = a[i] ^ b[i];
     }
+}
+
+static int check_indices(const int64_t *index, Py_ssize_t m, Py_ssize_t bound, const char *what) {
+    for (Py_ssize_t t = 0; t < m; t++) {
+        if (index[t] < 0 || index[t] >= bound) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd] = %lld is out of range [0, %zd)", what, t, (long long)index[t],
+                         bound);
+            return 0;
+        }
+    }
+    return 1;
 }
 
 static PyObject *py_gather_xor(PyObject *self, PyObject *args) {
@@ -510,17 +530,116 @@ static PyObject *py_gather_xor(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "gather_xor: bad sizes");
         return NULL;
     }
-    for (Py_ssize_t t = 0; t < m; t++) {
-        if (rows[t] < 0 || rows[t] >= num_rows) {
-            PyErr_Format(PyExc_ValueError, "rows[%zd] = %lld is out of range: the table has %zd rows",
-                         t, (long long)rows[t], num_rows);
-            return NULL;
-        }
-    }
+    if (!check_indices(rows, m, num_rows, "rows")) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    gather_xor(out, table, rows, (size_t)m, old, (size_t)row_bytes);
+    gather_xor(out, table, rows, (size_t)m, old, NULL, (size_t)row_bytes);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+static PyObject *py_gather_xor_at(PyObject *self, PyObject *args) {
+    PyObject *out_obj, *table_obj, *rows_obj, *old_obj, *at_obj;
+    Py_ssize_t m, num_rows, old_rows, row_bytes;
+    if (!PyArg_ParseTuple(args, "OOnOnOnOn", &out_obj, &table_obj, &num_rows, &rows_obj, &m, &old_obj, &old_rows,
+                          &at_obj, &row_bytes))
+        return NULL;
+    uint8_t *out = (uint8_t *)PyLong_AsVoidPtr(out_obj);
+    const uint8_t *table = (const uint8_t *)PyLong_AsVoidPtr(table_obj);
+    const int64_t *rows = (const int64_t *)PyLong_AsVoidPtr(rows_obj);
+    const uint8_t *old = (const uint8_t *)PyLong_AsVoidPtr(old_obj);
+    const int64_t *at = (const int64_t *)PyLong_AsVoidPtr(at_obj);
+    if (PyErr_Occurred()) return NULL;
+    if (m < 0 || num_rows < 0 || old_rows < 0 || row_bytes < 1) {
+        PyErr_SetString(PyExc_ValueError, "gather_xor_at: bad sizes");
+        return NULL;
+    }
+    if (!check_indices(rows, m, num_rows, "rows") || !check_indices(at, m, old_rows, "at")) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    gather_xor(out, table, rows, (size_t)m, old, at, (size_t)row_bytes);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- undo log of touched rows
+ * A table's undo log: pos[row] (int32) is the row's place in the log since the last commit, -1 if not logged;
+ * log_rows (int64) lists the logged rows by the capture that first touched them, each capture's in increasing order. */
+
+/* Sorts keys[0:m] (each < 2^(8 * bytes)) in place, least significant byte first; tmp holds m keys. */
+static void radix_sort(int64_t *keys, int64_t *tmp, size_t m, int bytes) {
+    int64_t *src = keys, *dst = tmp;
+    for (int b = 0; b < bytes; b++) {
+        size_t count[257] = {0};
+        const int shift = 8 * b;
+        for (size_t t = 0; t < m; t++) count[((uint64_t)src[t] >> shift & 255) + 1]++;
+        for (int d = 0; d < 256; d++) count[d + 1] += count[d];
+        for (size_t t = 0; t < m; t++) dst[count[(uint64_t)src[t] >> shift & 255]++] = src[t];
+        int64_t *swap = src;
+        src = dst;
+        dst = swap;
+    }
+    if (src != keys) memcpy(keys, src, m * sizeof(int64_t));
+}
+
+static PyObject *py_undo_mark(PyObject *self, PyObject *args) {
+    PyObject *ids_obj, *pos_obj, *log_obj;
+    Py_ssize_t m, num_rows, n, cap;
+    if (!PyArg_ParseTuple(args, "OnOnOnn", &ids_obj, &m, &pos_obj, &num_rows, &log_obj, &n, &cap)) return NULL;
+    const int64_t *ids = (const int64_t *)PyLong_AsVoidPtr(ids_obj);
+    int32_t *pos = (int32_t *)PyLong_AsVoidPtr(pos_obj);
+    int64_t *log_rows = (int64_t *)PyLong_AsVoidPtr(log_obj);
+    if (PyErr_Occurred()) return NULL;
+    if (m < 0 || num_rows < 0 || num_rows > INT32_MAX || n < 0 || n > num_rows ||
+        cap < (n + m < num_rows ? n + m : num_rows)) {
+        PyErr_SetString(PyExc_ValueError, "undo_mark: bad sizes (the log needs room for min(num_rows, n + m) rows)");
+        return NULL;
+    }
+    if (!check_indices(ids, m, num_rows, "ids")) return NULL;
+    int64_t *tmp = (int64_t *)PyMem_RawMalloc((m ? (size_t)m : 1) * sizeof(int64_t));
+    if (tmp == NULL) return PyErr_NoMemory();
+    const Py_ssize_t first = n;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t t = 0; t < m; t++) {  /* each new id once: its place is claimed, numbered below */
+        const int64_t id = ids[t];
+        if (pos[id] < 0) {
+            pos[id] = INT32_MAX;
+            log_rows[n++] = id;
+        }
+    }
+    int bytes = 0;
+    for (uint64_t top = num_rows > 0 ? (uint64_t)(num_rows - 1) : 0; top; top >>= 8) bytes++;
+    radix_sort(log_rows + first, tmp, (size_t)(n - first), bytes);
+    for (Py_ssize_t i = first; i < n; i++) pos[log_rows[i]] = (int32_t)i;
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(tmp);
+    return PyLong_FromSsize_t(n);
+}
+
+static PyObject *py_undo_sorted(PyObject *self, PyObject *args) {
+    PyObject *pos_obj, *rows_obj, *at_obj;
+    Py_ssize_t num_rows, n;
+    if (!PyArg_ParseTuple(args, "OnOOn", &pos_obj, &num_rows, &rows_obj, &at_obj, &n)) return NULL;
+    const int32_t *pos = (const int32_t *)PyLong_AsVoidPtr(pos_obj);
+    int64_t *rows = (int64_t *)PyLong_AsVoidPtr(rows_obj);
+    int64_t *at = (int64_t *)PyLong_AsVoidPtr(at_obj);
+    if (PyErr_Occurred()) return NULL;
+    if (num_rows < 0 || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "undo_sorted: bad sizes");
+        return NULL;
+    }
+    Py_ssize_t count = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t row = 0; row < num_rows && count < n; row++) {  /* branch-free: the marks are dense and random */
+        const int32_t p = pos[row];
+        rows[count] = row;
+        at[count] = p;
+        count += p >= 0;
+    }
+    Py_END_ALLOW_THREADS
+    if (count != n) {
+        PyErr_Format(PyExc_ValueError, "undo_sorted: %zd rows logged but %zd expected", count, n);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(count);
 }
 
 static PyMethodDef methods[] = {
@@ -528,6 +647,21 @@ static PyMethodDef methods[] = {
      "gather_xor(out: int, table: int, num_rows: int, rows: int, m: int, old: int, row_bytes: int) -> None\n\n"
      "out[t] = table[rows[t]] ^ old[t] for t < m: rows of row_bytes bytes, rows int64 [m] in [0, num_rows);\n"
      "raises ValueError, writing nothing, if a row is out of range. Buffers are addresses."},
+    {"gather_xor_at", py_gather_xor_at, METH_VARARGS,
+     "gather_xor_at(out: int, table: int, num_rows: int, rows: int, m: int, old: int, old_rows: int, at: int,"
+     " row_bytes: int) -> None\n\n"
+     "out[t] = table[rows[t]] ^ old[at[t]] for t < m: rows int64 [m] in [0, num_rows), at int64 [m] in\n"
+     "[0, old_rows); raises ValueError, writing nothing, if an index is out of range. Buffers are addresses."},
+    {"undo_mark", py_undo_mark, METH_VARARGS,
+     "undo_mark(ids: int, m: int, pos: int, num_rows: int, log_rows: int, n: int, cap: int) -> int\n\n"
+     "Appends to log_rows (int64, n rows logged, room for cap) each of ids (int64 [m]) not logged yet\n"
+     "(pos[id] < 0, pos int32 [num_rows]), once and in increasing order, setting pos[id] to its place;\n"
+     "returns the new n. Raises\n"
+     "ValueError, changing nothing, if an id is out of range or cap < min(num_rows, n + m)."},
+    {"undo_sorted", py_undo_sorted, METH_VARARGS,
+     "undo_sorted(pos: int, num_rows: int, rows: int, at: int, n: int) -> int\n\n"
+     "Writes the n logged rows (pos[row] >= 0) in increasing order to rows and their places pos[row] to at\n"
+     "(both int64 [n]); raises ValueError if the log does not hold n rows."},
     {"init", py_init, METH_VARARGS,
      "init(table: bytes) -> None\n\nSet the field: table[256 * a + b] = a * b (gf256.MUL_TABLE)."},
     {"isas", py_isas, METH_NOARGS,

@@ -135,3 +135,29 @@ def update_rows_raw(parity: int, shard_stride: int, coefs: bytes, rows: int, m: 
                     row_bytes: int) -> None:
     """:func:`update_rows` on buffer addresses: ``parity[p][rows[t]] ^= coefs[p] * delta[t]``."""
     _gf256.update_rows(parity, shard_stride, coefs, rows, m, num_rows, delta, row_bytes)
+
+
+def has_undo_kernels() -> bool:
+    """Whether :func:`gather_xor_at_raw`, :func:`undo_mark_raw` and :func:`undo_sorted_raw` run (an extension built with
+    them, in use); callers fall back to torch operations with the same results otherwise."""
+    return not _use_portable and hasattr(_gf256, "undo_mark")
+
+
+def gather_xor_at_raw(out: int, table: int, num_rows: int, rows: int, m: int, old: int, old_rows: int, at: int,
+                      row_bytes: int) -> None:
+    """``out[t] = table[rows[t]] ^ old[at[t]]`` for ``t < m`` (:func:`gather_xor_raw` with the old rows at the int64
+    places ``at`` in ``[0, old_rows)``), else ValueError and nothing written."""
+    _gf256.gather_xor_at(out, table, num_rows, rows, m, old, old_rows, at, row_bytes)
+
+
+def undo_mark_raw(ids: int, m: int, pos: int, num_rows: int, log_rows: int, n: int, cap: int) -> int:
+    """Appends each of ``ids`` (int64 [m]) with ``pos[id] < 0`` (int32 [num_rows]) once to ``log_rows`` (int64, ``n``
+    rows logged, room for ``cap >= min(num_rows, n + m)``) in first-seen order, setting ``pos[id]`` to its place;
+    returns the new ``n``. An id out of range raises ValueError and changes nothing."""
+    return _gf256.undo_mark(ids, m, pos, num_rows, log_rows, n, cap)
+
+
+def undo_sorted_raw(pos: int, num_rows: int, rows: int, at: int, n: int) -> None:
+    """Writes the ``n`` rows with ``pos[row] >= 0`` in increasing order to ``rows`` and their ``pos[row]`` to ``at``
+    (both int64 [n])."""
+    _gf256.undo_sorted(pos, num_rows, rows, at, n)

@@ -71,3 +71,41 @@ def test_undo_log_over_two_forwards_in_one_step(sharded_ebc):
     assert torch.equal(weight, original[0]) and torch.equal(momentum, original[1])
     assert state.touched() == []
     state.close()
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_undo_log_of_real_steps_against_snapshots(sharded_ebc, every):
+    """Real forwards and fused optimizer steps, ``every`` per commit window: touched() gives the union of the
+    window's ids in increasing order with the window-start values; rollback restores them exactly."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    state = CodedState(sharded_ebc, k=2)
+    gen = torch.Generator().manual_seed(every)
+    sizes = [50, 80, 110]
+    for window in range(4):
+        start = [s.tensor.clone() for s in state.segments]
+        union = [set() for _ in sizes]
+        for _ in range(every):
+            ids = [(n * torch.rand(12, generator=gen).pow(2)).long() for n in sizes]
+            for t, i in enumerate(ids):
+                union[t] |= set(i.tolist())
+            kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1", "f2"], values=torch.cat(ids),
+                                                      lengths=torch.ones(36, dtype=torch.int32))
+            sharded_ebc(kjt).values().sum().backward()
+        assert not all(torch.equal(a, s.tensor) for a, s in zip(start, state.segments))  # the optimizer ran
+        touched = {index: (rows, old) for index, rows, old in state.touched()}
+        assert sorted(touched) == list(range(len(state.segments)))
+        for index, seg in enumerate(state.segments):
+            rows, old = touched[index]
+            assert rows.tolist() == sorted(union[seg.table])
+            assert torch.equal(old, start[index].index_select(0, rows))
+            untouched = torch.ones(seg.rows, dtype=torch.bool)
+            untouched[rows] = False
+            assert torch.equal(seg.tensor[untouched], start[index][untouched])  # only logged rows changed
+        if window % 2:
+            state.rollback()
+            assert all(torch.equal(a, s.tensor) for a, s in zip(start, state.segments))
+        else:
+            state.commit()
+        assert state.touched() == []
+    state.close()
