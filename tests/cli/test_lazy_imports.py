@@ -1,6 +1,6 @@
-"""``import lightning_dlrover`` and the launchers (``launch``, ``chaos``) load neither Lightning nor TorchRec, while
-``Trainer(strategy="dlrover")`` works after a bare ``import lightning_dlrover`` (Lightning imported after it or
-before it) and every export of the package resolves to its class."""
+"""``import lightning_dlrover`` and the command lines' modules (``launch``, ``chaos``, ``advise``, ``simulate``,
+``gen-criteo``) load neither Lightning nor TorchRec, while ``Trainer(strategy="dlrover")`` works after a bare
+``import lightning_dlrover`` (Lightning imported after it or before it) and every export of the package resolves."""
 
 import subprocess
 import sys
@@ -23,6 +23,7 @@ def test_launchers_load_neither_lightning_nor_torchrec_and_the_strategy_name_wor
     code = ("import sys\n" + LOADED +
             "import lightning_dlrover\n"
             "import lightning_dlrover.cli.launch, lightning_dlrover.cli.chaos, lightning_dlrover.cli.chaos_report\n"
+            "import lightning_dlrover.cli.advise, lightning_dlrover.cli.simulate, lightning_dlrover.data.generate\n"
             "from lightning_dlrover.fault import membership\n"
             "from lightning_dlrover.cli.launch import parse\n"
             "parse(['--nproc-per-node', '2', '--', 'train.py'])\n"
@@ -36,7 +37,7 @@ def test_launchers_load_neither_lightning_nor_torchrec_and_the_strategy_name_wor
             "print(sorted(n for n in ld.__all__ if getattr(ld, n, None) is None), set(ld.__all__) <= set(dir(ld)))\n"
             "print(ld.fault.membership is membership)\n")
     assert python(code)[-5:] == [
-        "[]",  # the launchers' modules, the package and its lazy sub-packages: no Lightning, no TorchRec
+        "[]",  # the command lines' modules, the package and its lazy sub-packages: no Lightning, no TorchRec
         "lightning_dlrover.strategy.dlrover DLRoverStrategy",  # registered when Lightning's strategies loaded
         "True True True",
         "[] True",  # every export resolves
