@@ -1,6 +1,20 @@
-"""Criteo-format data: synthetic and TSV sources, a resumable loader and a Lightning data module."""
+"""Criteo-format data: synthetic and TSV sources, a resumable loader and a Lightning data module. Exports are
+imported when first used (``gen-criteo`` needs only numpy)."""
 
-from lightning_dlrover.data.datamodule import DLRMDataModule, ResumableLoader
-from lightning_dlrover.data.sources import CriteoTSV, SampleSource, SyntheticCriteo, make_batch
+from typing import TYPE_CHECKING
 
+from lightning_dlrover._lazy import exports
+
+if TYPE_CHECKING:
+    from lightning_dlrover.data.datamodule import DLRMDataModule, ResumableLoader
+    from lightning_dlrover.data.sources import CriteoTSV, SampleSource, SyntheticCriteo, make_batch
+
+__getattr__, __dir__ = exports(__name__, {
+    "DLRMDataModule": "lightning_dlrover.data.datamodule",
+    "ResumableLoader": "lightning_dlrover.data.datamodule",
+    "CriteoTSV": "lightning_dlrover.data.sources",
+    "SampleSource": "lightning_dlrover.data.sources",
+    "SyntheticCriteo": "lightning_dlrover.data.sources",
+    "make_batch": "lightning_dlrover.data.sources",
+})  # fmt: skip
 __all__ = ["CriteoTSV", "DLRMDataModule", "ResumableLoader", "SampleSource", "SyntheticCriteo", "make_batch"]

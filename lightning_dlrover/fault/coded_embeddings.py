@@ -45,10 +45,6 @@ from lightning_dlrover.parity import ReedSolomonCode
 from lightning_dlrover.parity import cpu as gf_cpu
 
 
-#: Environment variable: ``1`` checks the parity of a restored job against a fresh encode (drills; costs an encode).
-VERIFY_PARITY_ENV = "LIGHTNING_DLROVER_VERIFY_PARITY"
-
-
 class CodedEmbeddings:
     """Keeps this rank's share of the parity and runs the per-step commit protocol (collective methods).
 

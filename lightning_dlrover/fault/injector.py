@@ -55,18 +55,8 @@ import psutil
 import torch.distributed as dist
 
 from lightning_dlrover.fault.launcher import restart_count
+from lightning_dlrover.fault.points import ENV_FORMAT, FAULT_ENV, PHASES, RECOVERY_PHASES, SIGNALS, TARGETS
 from lightning_dlrover.monitor.events import emit
-
-#: Environment variable read by :meth:`FaultInjector.from_env`.
-FAULT_ENV = "LIGHTNING_DLROVER_FAULT"
-#: The fault points of a training step, in the order they are reached.
-PHASES = ("before_forward", "after_optimizer", "during_parity_commit", "during_vote")
-#: Fault points outside a training step (see the module docs).
-RECOVERY_PHASES = ("during_recovery",)
-#: Signals the injector can send; ``error`` raises ``RuntimeError`` in the rank instead (it does not die).
-SIGNALS = ("SIGKILL", "SIGTERM", "error")
-TARGETS = ("rank", "node", "all")
-ENV_FORMAT = "rank=R[+R...],step=S,phase=P[,signal=SIGKILL|SIGTERM|error] or step=S,phase=P,target=node|all"
 
 
 class FaultInjector(pl.Callback):

@@ -31,11 +31,12 @@ from torch import Tensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from lightning_dlrover.fault import rank_state
-from lightning_dlrover.fault.coded_embeddings import VERIFY_PARITY_ENV, CodedEmbeddings
+from lightning_dlrover.fault.coded_embeddings import CodedEmbeddings
 from lightning_dlrover.fault.coded_state import CodedState
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.launcher import under_torchrun
 from lightning_dlrover.fault.placement import ParityConfig, ParityPlacement
+from lightning_dlrover.fault.points import VERIFY_PARITY_ENV
 from lightning_dlrover.fault.recovery import RecoveryReport, Unrecoverable, agree_on_step
 from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot, dense_buffers, replicated_tensors
 from lightning_dlrover.fault.resume import fall_back, restore_failed_job

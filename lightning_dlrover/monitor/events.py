@@ -27,6 +27,9 @@ from typing import Any
 
 #: Environment variable naming the events file (it wins over :func:`configure`).
 EVENTS_ENV = "LIGHTNING_DLROVER_EVENTS"
+#: Environment variable: print and record the state digest every N committed steps (and at the start), for drills
+#: (read by :class:`~lightning_dlrover.strategy.DLRoverStrategy`).
+DIGEST_EVERY_ENV = "LIGHTNING_DLROVER_DIGEST_EVERY"
 SCHEMA = 1
 #: Event kinds and their extra fields.
 KINDS: dict[str, tuple[str, ...]] = {

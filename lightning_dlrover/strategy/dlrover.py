@@ -41,6 +41,7 @@ from lightning_dlrover.fault.spill import spill_dir
 from lightning_dlrover.fault.process_group import BACKEND as RECONFIGURABLE
 from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
+from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV
 from lightning_dlrover.strategy import lightning_glue as glue
 from lightning_dlrover.strategy import in_process, process_exit
 from lightning_dlrover.strategy.sharding import (
@@ -55,9 +56,6 @@ from lightning_dlrover.strategy.sharding import (
     distribute,
     plan_sharding,
 )
-
-#: Environment variable: print and record the state digest every N committed steps (and at the start), for drills.
-DIGEST_EVERY_ENV = "LIGHTNING_DLROVER_DIGEST_EVERY"
 
 
 class DLRoverStrategy(DDPStrategy):

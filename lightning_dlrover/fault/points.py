@@ -1,0 +1,17 @@
+"""The vocabulary of drills: the fault injector's (its environment variable, fault points, signals and targets)
+and the restored job's parity check, apart from :mod:`.injector` so that launchers (``lightning-dlrover chaos``)
+use it without importing Lightning."""
+
+#: Environment variable read by :meth:`~lightning_dlrover.fault.FaultInjector.from_env`.
+FAULT_ENV = "LIGHTNING_DLROVER_FAULT"
+#: The fault points of a training step, in the order they are reached.
+PHASES = ("before_forward", "after_optimizer", "during_parity_commit", "during_vote")
+#: Fault points outside a training step (see :mod:`.injector`).
+RECOVERY_PHASES = ("during_recovery",)
+#: Signals the injector can send; ``error`` raises ``RuntimeError`` in the rank instead (it does not die).
+SIGNALS = ("SIGKILL", "SIGTERM", "error")
+TARGETS = ("rank", "node", "all")
+ENV_FORMAT = "rank=R[+R...],step=S,phase=P[,signal=SIGKILL|SIGTERM|error] or step=S,phase=P,target=node|all"
+
+#: Environment variable: ``1`` checks the parity of a restored job against a fresh encode (drills; costs an encode).
+VERIFY_PARITY_ENV = "LIGHTNING_DLROVER_VERIFY_PARITY"
