@@ -22,16 +22,11 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
+from lightning_dlrover.fault.spill import spilled_ranks
+
 #: Environment variable: ``0`` keeps ``torchrun``'s numbering (every restore then re-encodes all parity).
 RENUMBER_ENV = "LIGHTNING_DLROVER_RENUMBER_NODES"
 _stores: list[dist.Store] = []  # the world's store outlives the group it was built for (its server may be here)
-
-
-def spilled_ranks(directory: Path | None) -> list[int]:
-    """The old ranks with a spill file in ``directory`` (names only: the restore checks the files)."""
-    if directory is None or not directory.is_dir():
-        return []
-    return sorted({int(path.stem[4:].split(".")[0]) for path in directory.glob("rank*.pt")})
 
 
 def old_node_ranks(held: list[list[int]], local_world_size: int) -> list[int] | None:

@@ -161,6 +161,23 @@ def _load(path: Path) -> Spill:
     return Spill(**header, chunks=data["chunks"], parity=data["parity"], rank_states=data["rank_states"], meta=data["meta"], path=path)
 
 
+def _spill_rank(path: Path) -> int:
+    """The rank that wrote a spill file (``rank<R>.pt`` or ``rank<R>.ahead.pt``)."""
+    return int(path.stem[4:].split(".")[0])
+
+
+def _spill_paths(directory: Path) -> list[Path]:
+    """The spill files in ``directory``, by rank (a rank's tentative spill before its committed one)."""
+    return sorted(directory.glob("rank*.pt"), key=lambda path: (_spill_rank(path), path.name))
+
+
+def spilled_ranks(directory: Path | None) -> list[int]:
+    """The ranks with a spill file in ``directory`` (names only: :func:`read_spills` checks the files)."""
+    if directory is None or not directory.is_dir():
+        return []
+    return sorted({_spill_rank(path) for path in _spill_paths(directory)})
+
+
 def read_spills(directory: Path | None, local_rank: int, local_world_size: int,
                 rank: int | None = None) -> tuple[list[Spill], list[str]]:
     """This worker's share of the node's spills that belong to this launch, and why others were refused (refused
@@ -183,11 +200,10 @@ def read_spills(directory: Path | None, local_rank: int, local_world_size: int,
     for partial in directory.glob("*.partial"):  # a writer killed mid-write
         if local_rank == 0:
             partial.unlink(missing_ok=True)
-    paths = sorted(directory.glob("rank*.pt"), key=lambda p: (int(p.stem[4:].split(".")[0]), p.name))
+    paths = _spill_paths(directory)
     here = range(rank - local_rank, rank - local_rank + local_world_size) if rank is not None else range(0)
-    old_rank = {path: int(path.stem[4:].split(".")[0]) for path in paths}
-    paths = ([path for path in paths if old_rank[path] == rank]
-             + [path for path in paths if old_rank[path] not in here][local_rank::local_world_size])
+    paths = ([path for path in paths if _spill_rank(path) == rank]
+             + [path for path in paths if _spill_rank(path) not in here][local_rank::local_world_size])
     identity, spills, refused = job_identity(), [], []
     for path in paths:
         try:
