@@ -9,7 +9,8 @@ from lightning_dlrover._lazy import exports
 if TYPE_CHECKING:
     from lightning_dlrover.fault.coded_embeddings import CodedEmbeddings
     from lightning_dlrover.fault.coded_state import CodedState
-    from lightning_dlrover.fault.injector import FAULT_ENV, FaultInjector
+    from lightning_dlrover.fault.injector import FaultInjector
+    from lightning_dlrover.fault.points import FAULT_ENV
     from lightning_dlrover.fault.launcher import elastic_trainer_args
     from lightning_dlrover.fault.manager import FaultManager
     from lightning_dlrover.fault.placement import ParityConfig, ParityPlacement
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = exports(__name__, {
     "CodedEmbeddings": "lightning_dlrover.fault.coded_embeddings",
     "CodedState": "lightning_dlrover.fault.coded_state",
-    "FAULT_ENV": "lightning_dlrover.fault.injector",
+    "FAULT_ENV": "lightning_dlrover.fault.points",
     "FaultInjector": "lightning_dlrover.fault.injector",
     "elastic_trainer_args": "lightning_dlrover.fault.launcher",
     "FaultManager": "lightning_dlrover.fault.manager",
