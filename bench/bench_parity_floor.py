@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from lightning_dlrover import DLRoverStrategy, ParityConfig
 from lightning_dlrover.data import DLRMDataModule
-from lightning_dlrover.fault.coded_state import INT_OF_SIZE
+from lightning_dlrover.fault.coding.coded_state import INT_OF_SIZE
 from lightning_dlrover.models import DLRMModule
 from lightning_dlrover.parity import ReedSolomonCode, as_bytes
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import yaml
 
 from lightning_dlrover.cli import chaos
-from lightning_dlrover.fault.renumber import RENUMBER_ENV
+from lightning_dlrover.fault.restart.renumber import RENUMBER_ENV
 
 CONFIG = Path(str(chaos.DEFAULT_CONFIG))
 _STEP_MS = re.compile(r"^Throughput over \d+ steps.*\n.*\n-+\n\s*0\s+[\d.]+\s+([\d.]+)", re.MULTILINE)

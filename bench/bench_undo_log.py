@@ -8,7 +8,7 @@ rank of a table-wise job receives). One thread (``torch.set_num_threads(1)``).
 For every commit window ``N`` of ``--windows`` (``ParityConfig.commit_every_n_steps``) three ``CodedState``s run
 on the same model and the same steps: **old** (the undo log before issue #10's fourth pass, kept in this script:
 ``torch.unique``, a seen-mask, one ``index_select`` per step and segment into a fresh tensor, merged at the commit by
-concatenation, ``argsort`` and reordering), **new** (``lightning_dlrover.fault.undo_log.UndoLog`` with its C
+concatenation, ``argsort`` and reordering), **new** (``lightning_dlrover.fault.coding.undo_log.UndoLog`` with its C
 kernels) and **new-torch** (the same without the C kernels: the fallback when the extension is not built). A
 single forward pre-hook on the fused kernels calls each state's ``CodedState._touch`` in turn, the order rotating
 every step, and times it (process CPU time). At the end of each window, in rotating order again, each state is
@@ -48,7 +48,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_dlrover.data.sources import SyntheticCriteo
-from lightning_dlrover.fault.coded_state import INT_OF_SIZE, CodedState, fused_embedding_kernels
+from lightning_dlrover.fault.coding.coded_state import INT_OF_SIZE, CodedState, fused_embedding_kernels
 from lightning_dlrover.parity import cpu as gf_cpu
 from lightning_dlrover.strategy.sharding import plan_sharding
 

@@ -333,7 +333,7 @@ class ResourceAdvisor(Callback):
 
     def _restart_decision(self, trainer: Trainer, target: ResourceConfig) -> RestartDecision | None:
         """Decides how to reach ``target`` (every rank); with ``restart="stop"`` saves the checkpoint (collective)."""
-        from lightning_dlrover.fault.launcher import node_range
+        from lightning_dlrover.worker_env import node_range
 
         checkpoint = None
         if self.restart_mode == "stop" and control.needs_restart(self.current, target, self.controls):

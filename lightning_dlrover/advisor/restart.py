@@ -93,7 +93,7 @@ def decide_restart(current: ResourceConfig, target: ResourceConfig, callbacks: A
     """The decision for moving from ``current`` to ``target`` (``None`` when every change is live).
 
     ``mode="stop"`` with a ``checkpoint`` path: stop and resume from it; otherwise print. ``node_range`` is the
-    elastic ``(min, max)`` nodes under ``torchrun`` (``lightning_dlrover.fault.launcher.node_range``).
+    elastic ``(min, max)`` nodes under ``torchrun`` (``lightning_dlrover.worker_env.node_range``).
     """
     if mode not in ("print", "stop"):
         raise ValueError(f"ResourceAdvisor(restart={mode!r}) must be 'print' or 'stop'.")

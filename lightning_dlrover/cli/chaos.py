@@ -41,9 +41,9 @@ from torch.distributed import TCPStore
 
 from lightning_dlrover.cli.chaos_report import summarize
 from lightning_dlrover.cli.launch import serve_store
-from lightning_dlrover.fault import membership
+from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.fault.points import FAULT_ENV, PHASES, VERIFY_PARITY_ENV
-from lightning_dlrover.fault.spill import SPILL_ENV
+from lightning_dlrover.fault.restart.spill import SPILL_ENV
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV, EVENTS_ENV, Event, configure, emit, read_events
 
 #: Restarted workers must not share the agents' store: they would read addresses the dead workers left there.

@@ -4,7 +4,7 @@
 workers dies it hands the lost rank to a hot spare (a process of the same program waiting with everything
 imported) or to a freshly started process, and publishes a recovery plan in its store; the survivors, who
 saw their collective fail, roll back to the last committed step in memory, rebuild their communicator
-with the replacement and go on inside ``fit`` (see :mod:`lightning_dlrover.fault.inprocess`). If the
+with the replacement and go on inside ``fit`` (see :mod:`lightning_dlrover.fault.inplace.protocol`). If the
 in-process path fails (a loss parity cannot cover, a second loss during recovery, no replacement) the
 launcher falls back to what ``torchrun`` does: it restarts every worker, which restore from their spills
 or the newest checkpoint. Workers see the same environment ``torchrun`` gives them.
@@ -37,7 +37,7 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-from lightning_dlrover.fault import membership
+from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.monitor.events import emit
 
 

@@ -31,16 +31,17 @@ from torch import Tensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from lightning_dlrover.fault import rank_state
-from lightning_dlrover.fault.coded_embeddings import CodedEmbeddings
-from lightning_dlrover.fault.coded_state import CodedState
+from lightning_dlrover.fault.coding.coded_embeddings import CodedEmbeddings
+from lightning_dlrover.fault.coding.coded_state import CodedState
 from lightning_dlrover.fault.host import Host
-from lightning_dlrover.fault.launcher import under_torchrun
-from lightning_dlrover.fault.placement import ParityConfig, ParityPlacement
+from lightning_dlrover.worker_env import under_torchrun
+from lightning_dlrover.fault.coding.placement import ParityConfig, ParityPlacement
 from lightning_dlrover.fault.points import VERIFY_PARITY_ENV
-from lightning_dlrover.fault.recovery import RecoveryReport, Unrecoverable, agree_on_step
+from lightning_dlrover.fault.inplace.agree import agree_on_step
+from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
 from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot, dense_buffers, replicated_tensors
-from lightning_dlrover.fault.resume import fall_back, restore_failed_job
-from lightning_dlrover.fault.spill import (
+from lightning_dlrover.fault.restart.resume import fall_back, restore_failed_job
+from lightning_dlrover.fault.restart.spill import (
     ProgressRecord,
     Spill,
     UnsafeSpillDir,
@@ -346,7 +347,7 @@ class FaultManager:
         (collective over the new communicator): every rank rolls back in memory, the replacements' embedding shards
         and parity share are decoded in place from the survivors', and the trainer, dense and rank states come from
         the lowest surviving rank that committed that step. A survivor whose vote broke while another's completed
-        commits that step too (:func:`~lightning_dlrover.fault.recovery.agree_on_step`). Returns the report,
+        commits that step too (:func:`~lightning_dlrover.fault.inplace.agree.agree_on_step`). Returns the report,
         whose ``meta`` is the trainer state to resume from."""
         if self.parity is None:
             raise Unrecoverable("in-process recovery needs parity (DLRoverStrategy(parity=ParityConfig(...))).",

@@ -33,12 +33,12 @@ from typing_extensions import override
 
 from lightning_dlrover.checkpoint import directory, get_backend, job
 from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig, rank_state
-from lightning_dlrover.fault import membership
-from lightning_dlrover.fault.inprocess import InProcessRecovery, joining, take_rank_if_spare, world_group
-from lightning_dlrover.fault.launcher import node_range, under_torchrun
-from lightning_dlrover.fault.renumber import renumber_nodes
-from lightning_dlrover.fault.spill import spill_dir
-from lightning_dlrover.fault.process_group import BACKEND as RECONFIGURABLE
+from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace.protocol import InProcessRecovery, joining, take_rank_if_spare, world_group
+from lightning_dlrover.worker_env import node_range, under_torchrun
+from lightning_dlrover.fault.restart.renumber import renumber_nodes
+from lightning_dlrover.fault.restart.spill import spill_dir
+from lightning_dlrover.fault.inplace.process_group import BACKEND as RECONFIGURABLE
 from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV

@@ -1,4 +1,4 @@
-"""Wires in-process recovery (:mod:`lightning_dlrover.fault.inprocess`) into a Lightning fit.
+"""Wires in-process recovery (:mod:`lightning_dlrover.fault.inplace.protocol`) into a Lightning fit.
 
 Under ``lightning-dlrover launch`` the world group is reconfigurable; a survivor whose step fails on a lost
 peer is restored to the last committed step and its fit loop runs again, and a replacement joins at the
@@ -13,13 +13,13 @@ import lightning.pytorch as pl
 from torchrec.distributed import collective_utils
 from torchrec.distributed.types import ShardingPlan
 
-from lightning_dlrover.fault import membership
-from lightning_dlrover.fault.inprocess import InProcessRecovery, joining
-from lightning_dlrover.fault.launcher import restart_count
+from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace.protocol import InProcessRecovery, joining
+from lightning_dlrover.worker_env import restart_count
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.manager import FaultManager
-from lightning_dlrover.fault.process_group import BACKEND, register
-from lightning_dlrover.fault.recovery import RecoveryReport
+from lightning_dlrover.fault.inplace.process_group import BACKEND, register
+from lightning_dlrover.fault.report import RecoveryReport
 from lightning_dlrover.strategy import lightning_glue as glue
 
 

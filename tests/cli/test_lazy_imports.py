@@ -24,7 +24,7 @@ def test_launchers_load_neither_lightning_nor_torchrec_and_the_strategy_name_wor
             "import lightning_dlrover\n"
             "import lightning_dlrover.cli.launch, lightning_dlrover.cli.chaos, lightning_dlrover.cli.chaos_report\n"
             "import lightning_dlrover.cli.advise, lightning_dlrover.cli.simulate, lightning_dlrover.data.generate\n"
-            "from lightning_dlrover.fault import membership\n"
+            "from lightning_dlrover.fault.inplace import membership\n"
             "from lightning_dlrover.cli.launch import parse\n"
             "parse(['--nproc-per-node', '2', '--', 'train.py'])\n"
             "print(loaded())\n" + TRAINER +
@@ -35,7 +35,7 @@ def test_launchers_load_neither_lightning_nor_torchrec_and_the_strategy_name_wor
             "from lightning_dlrover.cli.chaos import FAULT_ENV as CHAOS_ENV\n"
             "print(type(trainer.strategy) is DLRoverStrategy, FAULT_ENV == INJECTOR_ENV == CHAOS_ENV, 'during_vote' in PHASES)\n"
             "print(sorted(n for n in ld.__all__ if getattr(ld, n, None) is None), set(ld.__all__) <= set(dir(ld)))\n"
-            "print(ld.fault.membership is membership)\n")
+            "print(ld.fault.inplace.membership is membership)\n")
     assert python(code)[-5:] == [
         "[]",  # the command lines' modules, the package and its lazy sub-packages: no Lightning, no TorchRec
         "lightning_dlrover.strategy.dlrover DLRoverStrategy",  # registered when Lightning's strategies loaded

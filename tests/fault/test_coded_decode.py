@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_dlrover.fault.decode import Combination, Term, combine, cut, intersect, subtract
-from lightning_dlrover.fault.messages import Mailbox
+from lightning_dlrover.fault.coding.decode import Combination, Term, combine, cut, intersect, subtract
+from lightning_dlrover.fault.coding.messages import Mailbox
 from lightning_dlrover.parity import gf256
 from tests.conftest import exit_rank
 

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from lightning_dlrover.fault.placement import ParityPlacement
+from lightning_dlrover.fault.coding.placement import ParityPlacement
 
 
 @pytest.mark.parametrize(("world_size", "k", "r", "local"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_dlrover.fault import rank_state
-from lightning_dlrover.fault.launcher import MIN_NODES_ENV, node_range
+from lightning_dlrover.worker_env import MIN_NODES_ENV, node_range
 from lightning_dlrover.monitor.events import EVENTS_ENV, emit, read_events
 from lightning_dlrover.strategy.sharding import check_elastic_sizes
 

@@ -1,7 +1,7 @@
 """Restarted nodes take back the node ranks their spills were written under (``fault.renumber``)."""
 
-from lightning_dlrover.fault.renumber import old_node_ranks
-from lightning_dlrover.fault.spill import spilled_ranks, write_spill
+from lightning_dlrover.fault.restart.renumber import old_node_ranks
+from lightning_dlrover.fault.restart.spill import spilled_ranks, write_spill
 from tests.fault.test_spill import spill
 
 

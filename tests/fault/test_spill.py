@@ -7,8 +7,8 @@ import pickle
 import pytest
 import torch
 
-from lightning_dlrover.fault.coded_state import SegmentSpec
-from lightning_dlrover.fault.spill import (
+from lightning_dlrover.fault.coding.coded_state import SegmentSpec
+from lightning_dlrover.fault.restart.spill import (
     ProgressRecord,
     Spill,
     UnsafeSpillDir,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_dlrover.fault.undo_log import SCAN_RATIO, UndoLog
+from lightning_dlrover.fault.coding.undo_log import SCAN_RATIO, UndoLog
 from lightning_dlrover.parity import cpu as gf_cpu
 
 KERNELS = ["native", "portable"]

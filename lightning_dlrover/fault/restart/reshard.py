@@ -6,7 +6,7 @@ must outlive the worker process. When a rank sees a failure (a collective raisin
 its timeout, or the launcher's SIGTERM), it rolls back to the last committed step and *spills*: it writes
 its ``k`` data chunks, its ``r`` parity chunks, every rank's chunk layout, every rank's random generators and
 the committed trainer state (loops, data position, callbacks, dense parameters, buffers and optimizer state)
-to one file in a node-local shared-memory directory (see :mod:`lightning_dlrover.fault.spill`). Spilling
+to one file in a node-local shared-memory directory (see :mod:`lightning_dlrover.fault.restart.spill`). Spilling
 reads memory only; it needs no peer.
 
 The restarted workers (survivors, replacements, or fewer or more ranks) call :func:`restore` from
@@ -37,74 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dlrover.fault.coded_state import CodedState, SegmentSpec, chunk_layout
-from lightning_dlrover.fault.decode import decode_lost
-from lightning_dlrover.fault.placement import ParityPlacement
-from lightning_dlrover.fault.spill import Spill
-
-
-class Unrecoverable(RuntimeError):
-    """The spills cannot rebuild the state: too many ranks lost, or the state's layout changed."""
-
-    def __init__(self, message: str, step: int) -> None:
-        super().__init__(message)
-        self.step = step
-
-
-@dataclass
-class RecoveryReport:
-    """What :func:`restore` did: the recovered ``step``, the failed job's ``world_size``, the ``lost`` ranks
-    (decoded), seconds spent decoding and re-sharding, and the trainer state (``meta``) and every old rank's
-    generators and buffers (``rank_states``, uint8 ``[old world, n]``) of the recovered step.
-
-    ``layout_kept`` (the same on every rank): the new job has the old one's world, chunk layouts and code, and
-    every surviving old rank's spill is on the worker of the same rank, so the survivors' parity is still valid;
-    ``parity`` is then this worker's share as spilled (``None`` on a lost rank) and only the lost ranks' shares
-    need encoding (:meth:`~lightning_dlrover.fault.CodedEmbeddings.adopt`)."""
-
-    step: int
-    world_size: int
-    lost: list[int]
-    decode_s: float
-    reshard_s: float
-    meta: dict[str, Any] | None = None
-    rank_states: Tensor | None = None
-    layout_kept: bool = False
-    code: tuple[int, int, int] = (0, 0, 0)  # the failed job's k, r and ranks per node
-    parity: Tensor | None = None
-
-    def __str__(self) -> str:
-        lost = f"decoded lost ranks {self.lost}" if self.lost else "no rank lost"
-        return (
-            f"recovered step {self.step} of a {self.world_size}-rank job onto {dist.get_world_size()} ranks: {lost} "
-            f"(decode {self.decode_s:.3f} s, re-shard {self.reshard_s:.3f} s)"
-        )
-
-
-def agree_on_step(committed: int, voted: int, survivors: list[int]) -> tuple[int, int, bool]:
-    """The step an in-process recovery resumes at (collective over the new world group; a replacement passes -1s).
-
-    A survivor passes its committed step and ``voted``, the step whose vote it entered without seeing it complete
-    (else -1). A vote is an all-gather, and a rank lost in the middle of one can leave some survivors with every
-    ballot and others without: the step is committed wherever the vote completed, and, since completing it
-    proves every rank had folded in its deltas, the survivors whose vote broke may commit it too. Returns
-    ``(step, source, decide_here)``: the newest step a survivor committed, the lowest survivor that committed it
-    (it holds the step's trainer state and every rank's ballot), and whether this rank must still commit it.
-    Raises :class:`Unrecoverable` on every rank alike when a survivor neither committed nor voted on that step.
-    """
-    world = dist.get_world_size()
-    mine = torch.tensor([committed, voted], dtype=torch.int64)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
-    steps = {rank: (int(gathered[rank][0]), int(gathered[rank][1])) for rank in survivors}
-    step = max(done for done, _ in steps.values())
-    behind = [rank for rank, (done, vote) in steps.items() if done != step and vote != step]
-    if behind:
-        raise Unrecoverable(
-            f"survivors disagree on the committed step: {steps} (rank: (committed, voted)); ranks {behind} are "
-            f"behind step {step} without having voted on it, which the commit protocol rules out.", step)
-    source = min(rank for rank, (done, _) in steps.items() if done == step)
-    return step, source, committed != step and voted == step
+from lightning_dlrover.fault.coding.coded_state import CodedState, SegmentSpec, chunk_layout
+from lightning_dlrover.fault.coding.decode import decode_lost
+from lightning_dlrover.fault.coding.placement import ParityPlacement
+from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
+from lightning_dlrover.fault.restart.spill import Spill
 
 
 def restore(state: CodedState | None, spills: list[Spill]) -> RecoveryReport | None:

@@ -34,7 +34,8 @@ import psutil
 import torch
 from torch import Tensor
 
-from lightning_dlrover.fault.coded_state import SegmentSpec
+from lightning_dlrover import worker_env
+from lightning_dlrover.fault.coding.coded_state import SegmentSpec
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class UnsafeSpillDir(RuntimeError):
 
 def job_identity() -> dict[str, Any]:
     """This launch of the job: run id and the launcher (the ``torchrun`` agent) that restarts the workers."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    run_id = worker_env.run_id()
     if os.environ.get(JOB_ID_ENV):
         return {"run_id": run_id, "job": os.environ[JOB_ID_ENV]}
     agent = psutil.Process(os.getppid())
@@ -65,8 +66,8 @@ def spill_dir() -> Path | None:
     """This node's spill directory, or ``None`` outside ``torchrun`` without ``$LIGHTNING_DLROVER_SPILL_DIR``."""
     if os.environ.get(SPILL_ENV):
         return Path(os.environ[SPILL_ENV])
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return Path("/dev/shm") / f"lightning_dlrover-{os.getuid()}" / os.environ["TORCHELASTIC_RUN_ID"]
+    if worker_env.run_id():
+        return Path("/dev/shm") / f"lightning_dlrover-{os.getuid()}" / worker_env.run_id()
     return None
 
 
@@ -185,7 +186,7 @@ def read_spills(directory: Path | None, local_rank: int, local_world_size: int,
 
     With this worker's global ``rank``, the spills of old ranks that are again on this node go to the worker of the
     same rank (a survivor restarted in place gets its own spill back, so its parity can be kept, see
-    :func:`~lightning_dlrover.fault.recovery.restore`); the others are dealt out in turn, every
+    :func:`~lightning_dlrover.fault.restart.reshard.restore`); the others are dealt out in turn, every
     ``local_world_size``-th from ``local_rank`` on (all of them, without ``rank``).
 
     A directory that is not private to this user is refused whole; unreadable files, files that would need

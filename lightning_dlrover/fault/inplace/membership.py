@@ -14,7 +14,7 @@ Keys (all under ``lightning_dlrover/<launch>/``, ``<launch>`` counting the launc
   machine lost when its counter stops and replaces its ranks with its own spares.
 
 Survivors that see a collective fail wait for ``plan/<g + 1>``; a spare waits for its ``assign/<i>``; both
-then build generation ``g + 1`` of the world group (:mod:`lightning_dlrover.fault.process_group`).
+then build generation ``g + 1`` of the world group (:mod:`lightning_dlrover.fault.inplace.process_group`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 from torch.distributed import Store, TCPStore
+
+from lightning_dlrover import worker_env
 
 #: ``host:port`` of the launcher's store; set by ``lightning-dlrover launch`` (in-process recovery on).
 STORE_ENV = "LIGHTNING_DLROVER_STORE"
@@ -83,7 +85,7 @@ def is_joining() -> bool:
 def become(assignment: Assignment) -> None:
     """Makes this spare process the worker ``assignment`` names (the environment Lightning and
     ``init_process_group`` read), joining at generation ``assignment.generation``."""
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_world_size = worker_env.local_world_size()
     os.environ.update(
         RANK=str(assignment.rank), LOCAL_RANK=str(assignment.rank % local_world_size),
         WORLD_SIZE=str(assignment.world_size), **{JOINING_ENV: "1", GENERATION_ENV: str(assignment.generation)},

@@ -1,4 +1,7 @@
-"""What the elastic launcher (``torchrun``) tells its workers, read in one place."""
+"""What the elastic launcher tells its workers through the environment, read in one place.
+
+``torchrun`` and ``lightning-dlrover launch`` (which mimics it) set the same variables; every package reads
+them through this module, so the names and their defaults live here only."""
 
 from __future__ import annotations
 
@@ -11,14 +14,30 @@ import psutil
 MIN_NODES_ENV = "LIGHTNING_DLROVER_MIN_NODES"
 
 
+#: Variables the launcher sets (``lightning-dlrover launch`` writes them under these names too).
+RUN_ID = "TORCHELASTIC_RUN_ID"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+
+
 def under_torchrun() -> bool:
     """Whether this process is a worker of ``torchrun``'s elastic agent."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
+    return RUN_ID in os.environ
+
+
+def run_id() -> str:
+    """The launcher's run id (the same on every node and across restarts), ``""`` outside a launcher."""
+    return os.environ.get(RUN_ID, "")
+
+
+def local_world_size() -> int:
+    """Workers on this node (1 outside a launcher)."""
+    return int(os.environ.get(LOCAL_WORLD_SIZE, "1"))
 
 
 def restart_count() -> int:
     """How many times the agent restarted this worker group (0 on the first start or outside ``torchrun``)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return int(os.environ.get(RESTART_COUNT, "0") or 0)
 
 
 def elastic_trainer_args() -> dict[str, int]:
@@ -29,7 +48,7 @@ def elastic_trainer_args() -> dict[str, int]:
     """
     if not under_torchrun():
         return {}
-    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    local = int(os.environ[LOCAL_WORLD_SIZE])
     return {"devices": local, "num_nodes": int(os.environ["WORLD_SIZE"]) // local}
 
 
@@ -41,7 +60,7 @@ def node_range() -> tuple[int, int] | None:
     """
     if not under_torchrun():
         return None
-    nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+    nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ[LOCAL_WORLD_SIZE])
     if os.environ.get(MIN_NODES_ENV):
         return int(os.environ[MIN_NODES_ENV]), nodes
     value = os.environ.get("PET_NNODES")

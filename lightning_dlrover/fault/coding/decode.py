@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dlrover.fault.coded_state import SegmentSpec, chunk_layout
-from lightning_dlrover.fault.placement import ParityPlacement
+from lightning_dlrover.fault.coding.coded_state import SegmentSpec, chunk_layout
+from lightning_dlrover.fault.coding.placement import ParityPlacement
 from lightning_dlrover.parity import ReedSolomonCode
 from lightning_dlrover.parity import cpu as gf_cpu
 

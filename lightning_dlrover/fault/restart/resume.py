@@ -9,11 +9,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_dlrover.fault.coded_state import CodedState
+from lightning_dlrover.fault.coding.coded_state import CodedState
 from lightning_dlrover.fault.host import Host
-from lightning_dlrover.fault.launcher import restart_count
-from lightning_dlrover.fault.recovery import RecoveryReport, Unrecoverable, restore
-from lightning_dlrover.fault.spill import last_committed_step, read_spills
+from lightning_dlrover.worker_env import restart_count
+from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
+from lightning_dlrover.fault.restart.reshard import restore
+from lightning_dlrover.fault.restart.spill import last_committed_step, read_spills
 from lightning_dlrover.monitor import emit
 
 

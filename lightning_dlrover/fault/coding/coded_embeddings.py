@@ -23,7 +23,7 @@ it on the survivors (rows restored from the undo log, received deltas re-applied
 are again those of step ``s - 1``, and the lost ranks are decoded at that step. A failure *during* the
 all-gather can leave some survivors committed and others not, which is safe to resolve forward because every
 rank had voted: in-process recovery has the others :meth:`decide` step ``s`` too, and a restart counts their
-tentative spills of step ``s`` (:class:`~lightning_dlrover.fault.spill.Spill`). Only touched rows travel.
+tentative spills of step ``s`` (:class:`~lightning_dlrover.fault.restart.spill.Spill`). Only touched rows travel.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dlrover.fault.coded_state import INT_OF_SIZE, CodedState
-from lightning_dlrover.fault.decode import Combination, Term, combine, decode_combinations, layout_spans
-from lightning_dlrover.fault.messages import Mailbox, align
-from lightning_dlrover.fault.placement import ParityPlacement
-from lightning_dlrover.fault.spill import Spill, job_identity
+from lightning_dlrover.fault.coding.coded_state import INT_OF_SIZE, CodedState
+from lightning_dlrover.fault.coding.decode import Combination, Term, combine, decode_combinations, layout_spans
+from lightning_dlrover.fault.coding.messages import Mailbox, align
+from lightning_dlrover.fault.coding.placement import ParityPlacement
+from lightning_dlrover.fault.restart.spill import Spill, job_identity
 from lightning_dlrover.parity import ReedSolomonCode
 from lightning_dlrover.parity import cpu as gf_cpu
 
@@ -264,7 +264,7 @@ class CodedEmbeddings:
         Every rank first rolls back to the committed step. The lost ranks' buffers may hold anything
         (e.g. zeros after a restart); the survivors' data and parity are the source of truth. Survivors send views
         of their live buffers; a lost rank receives straight into its TorchRec buffers and parity rows (see
-        :mod:`lightning_dlrover.fault.decode`). Its own parity share is re-encoded in the same batch of transfers
+        :mod:`lightning_dlrover.fault.coding.decode`). Its own parity share is re-encoded in the same batch of transfers
         when its sources are survivors (one lost rank), else right after the decode.
         """
         r = self.placement.r

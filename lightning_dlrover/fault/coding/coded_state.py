@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from lightning_dlrover.checkpoint.sharded import flatten
-from lightning_dlrover.fault.undo_log import UndoLog
+from lightning_dlrover.fault.coding.undo_log import UndoLog
 from lightning_dlrover.parity import as_bytes
 
 

@@ -1,7 +1,7 @@
 """Point-to-point exchanges between ranks: a general one (:func:`exchange`, sizes told first, with the
 :func:`pack` framing: ``int64 H``, ``H`` int64 header words, payload bytes) and the per-step one of parity commits
 (:class:`Mailbox`: fixed partners, persistent buffers, one round). Decode and re-shard transfers need neither:
-every worker derives them from the layouts (:mod:`lightning_dlrover.fault.decode`).
+every worker derives them from the layouts (:mod:`lightning_dlrover.fault.coding.decode`).
 """
 
 from __future__ import annotations

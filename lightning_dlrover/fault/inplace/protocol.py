@@ -8,7 +8,7 @@ the job. The sequence, on every rank:
    membership.Plan`: the lost ranks and the spare taking each one.
 2. **Wait for the replacement.** A hot spare (a process of the same program, blocked before its process group
    with everything imported) takes the rank number, builds its trainer and model while *joining* (its
-   set-up collectives are answered locally, see :class:`~lightning_dlrover.fault.process_group.ReconfigurableGroup`).
+   set-up collectives are answered locally, see :class:`~lightning_dlrover.fault.inplace.process_group.ReconfigurableGroup`).
 3. **Rebuild the communicator.** Everyone connects generation ``g + 1`` of the world group (same ranks,
    same world size; TorchRec's modules keep their group object).
 4. **Decode.** :meth:`FaultManager.rejoin`: survivors roll back to the last committed step in memory, the
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from lightning_dlrover.fault import membership
-from lightning_dlrover.fault.launcher import restart_count
+from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.worker_env import restart_count
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.manager import FaultManager
-from lightning_dlrover.fault.process_group import ReconfigurableGroup
-from lightning_dlrover.fault.recovery import RecoveryReport
+from lightning_dlrover.fault.inplace.process_group import ReconfigurableGroup
+from lightning_dlrover.fault.report import RecoveryReport
 from lightning_dlrover.monitor import emit
 
 

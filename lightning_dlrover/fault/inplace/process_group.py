@@ -9,7 +9,7 @@ a fresh store prefix (same rank and world size; a replacement process takes the 
 While a replacement process builds its trainer and model it is *joining*: its collectives are answered
 locally as if every rank held its own values (Lightning's set-up barriers and broadcasts, DDP's parameter
 check), because the survivors, who are in the middle of training, do not run them. The join protocol of
-:mod:`lightning_dlrover.fault.inprocess` ends that state on both sides at the same point.
+:mod:`lightning_dlrover.fault.inplace.protocol` ends that state on both sides at the same point.
 
 Why not ``torchft.process_group.ProcessGroupGloo``: its wrapper reports the rank it was constructed with
 (0) after reconfiguration, has no ``gather``/``scatter``/``allgather_coalesced``, which TorchRec and
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from lightning_dlrover.fault.launcher import restart_count
+from lightning_dlrover.worker_env import restart_count
 
 BACKEND = "dlrover_gloo"
 """Name of the reconfigurable backend for ``init_process_group`` (``DLRoverStrategy(process_group_backend=...)``)."""
@@ -198,7 +198,7 @@ def register() -> None:
         return
 
     def create(options: Any, _backend_options: Any) -> ReconfigurableGroup:
-        from lightning_dlrover.fault import membership
+        from lightning_dlrover.fault.inplace import membership
 
         joining = membership.is_joining()
         generation = int(os.environ.get(membership.GENERATION_ENV, "0")) if joining else 0

@@ -5,7 +5,7 @@ may come back as ranks 0 and 1, and its replacement neighbour as 2 and 3. The sp
 ranks. If every node takes back its old node rank (the replacement taking the one left over), then with the same
 world and sharding plan each survivor finds its own shards in its own spill and keeps its parity share: the
 restore moves only the lost ranks' bytes and encodes only their parity
-(:func:`~lightning_dlrover.fault.recovery.restore`, :meth:`~lightning_dlrover.fault.CodedEmbeddings.adopt`).
+(:func:`~lightning_dlrover.fault.restart.reshard.restore`, :meth:`~lightning_dlrover.fault.CodedEmbeddings.adopt`).
 
 Whole nodes are renumbered (local ranks never change), so which ranks share a machine stays true for the parity
 placement. Nothing is renumbered when the world changed, when a node holds spills of several old nodes, or when
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
-from lightning_dlrover.fault.spill import spilled_ranks
+from lightning_dlrover.fault.restart.spill import spilled_ranks
 
 #: Environment variable: ``0`` keeps ``torchrun``'s numbering (every restore then re-encodes all parity).
 RENUMBER_ENV = "LIGHTNING_DLROVER_RENUMBER_NODES"
