@@ -40,7 +40,7 @@ import psutil
 from torch.distributed import TCPStore
 
 from lightning_dlrover.cli.chaos_report import summarize
-from lightning_dlrover.cli.launch import serve_store
+from lightning_dlrover.fault.inplace.supervisor import serve_store
 from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.fault.points import FAULT_ENV, PHASES, VERIFY_PARITY_ENV
 from lightning_dlrover.fault.restart.spill import SPILL_ENV

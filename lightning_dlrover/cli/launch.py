@@ -1,17 +1,7 @@
 """``lightning-dlrover launch``: one launcher per machine that keeps survivors running when a rank is lost.
 
-``torchrun`` stops every worker of the job when one fails. This launcher does not: when one of its
-workers dies it hands the lost rank to a hot spare (a process of the same program waiting with everything
-imported) or to a freshly started process, and publishes a recovery plan in its store; the survivors, who
-saw their collective fail, roll back to the last committed step in memory, rebuild their communicator
-with the replacement and go on inside ``fit`` (see :mod:`lightning_dlrover.fault.inplace.protocol`). If the
-in-process path fails (a loss parity cannot cover, a second loss during recovery, no replacement) the
-launcher falls back to what ``torchrun`` does: it restarts every worker, which restore from their spills
-or the newest checkpoint. Workers see the same environment ``torchrun`` gives them.
-
-A machine lost with its launcher is noticed by the launcher on machine 0 (the store's host): every launcher
-beats a counter in the store, and when one stops for ``--node-timeout`` seconds machine 0 hands that
-machine's ranks to its own spares, as for a lost process. Losing machine 0 loses the store: the job fails.
+Its options and command line; the supervisor of the workers is
+:class:`~lightning_dlrover.fault.inplace.supervisor.Supervisor` (see its module for how a loss is handled).
 
 Example (two machines, two ranks each, one hot spare each)::
 
@@ -25,230 +15,11 @@ Example (two machines, two ranks each, one hot spare each)::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import socket
-import subprocess
-import sys
-import time
+import dataclasses
 import uuid
-from dataclasses import dataclass, field
-from datetime import timedelta
-
-from torch.distributed import TCPStore
 
 from lightning_dlrover.fault.inplace import membership
-from lightning_dlrover.monitor.events import emit
-
-
-@dataclass
-class Worker:
-    """A worker process and the rank it holds (``None`` for an unassigned spare)."""
-
-    process: subprocess.Popen
-    rank: int | None
-    spare: int | None = None
-
-
-@dataclass
-class Launcher:
-    """Starts, watches and replaces this machine's workers."""
-
-    args: argparse.Namespace
-    store: TCPStore
-    run_id: str
-    restarts: int = 0
-    workers: list[Worker] = field(default_factory=list)
-    lost_nodes: set[int] = field(default_factory=set)
-    _seen: dict[int, tuple[int, float]] = field(default_factory=dict)  # node -> (beats, when they last changed)
-    _last_beat: float = 0.0
-    _store_lost: bool = False
-    _finished: bool = False  # this machine's ranks all finished
-
-    @property
-    def world_size(self) -> int:
-        return self.args.nnodes * self.args.nproc_per_node
-
-    def env(self, rank: int | None, local_rank: int, spare: int | None) -> dict[str, str]:
-        a = self.args
-        host, _, port = a.master.rpartition(":")
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank if rank is not None else self.world_size - 1), LOCAL_RANK=str(local_rank if rank is not None else 0),
-            WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(a.nproc_per_node), GROUP_RANK=str(a.node_rank),
-            MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_RUN_ID=self.run_id,
-            TORCHELASTIC_RESTART_COUNT=str(self.restarts), TORCHELASTIC_USE_AGENT_STORE="True",
-            **{membership.STORE_ENV: a.master},
-        )  # fmt: skip
-        if spare is not None:
-            env[membership.SPARE_ENV] = str(spare)
-        return env
-
-    def spawn(self, rank: int | None, local_rank: int) -> Worker:
-        """Starts the rank ``rank``, or a spare when ``rank`` is ``None``."""
-        spare = membership.register_spare(self.store, self.restarts) if rank is None else None
-        env = self.env(rank, local_rank, spare)
-        worker = Worker(subprocess.Popen([sys.executable, *self.args.program], env=env), rank, spare)
-        self.workers.append(worker)
-        if rank is not None:
-            membership.publish_worker(self.store, self.restarts, rank, socket.gethostname(), worker.process.pid)
-        return worker
-
-    def start(self) -> None:
-        a = self.args
-        first = a.node_rank * a.nproc_per_node
-        for local in range(a.nproc_per_node):
-            self.spawn(first + local, local)
-        for _ in range(a.spares):
-            self.spawn(None, 0)
-        self.publish_ranks()
-
-    def publish_ranks(self) -> None:
-        ranks = [w.rank for w in self.workers if w.rank is not None]
-        membership.publish_node_ranks(self.store, self.restarts, self.args.node_rank, ranks)
-
-    def stop(self, grace: float = 0.0) -> None:
-        """Stops every worker: SIGTERM first when ``grace`` > 0 (as ``torchrun`` does: a survivor spills its committed
-        state for the restart), SIGKILL for whatever is left after ``grace`` seconds."""
-        if grace > 0:
-            for worker in self.workers:
-                if worker.process.poll() is not None:
-                    continue
-                if worker.rank is None:  # an idle spare holds no state: it goes at once
-                    worker.process.kill()
-                else:
-                    worker.process.terminate()
-            deadline = time.time() + grace
-            for worker in self.workers:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    worker.process.wait(timeout=max(deadline - time.time(), 0.01))
-        for worker in self.workers:
-            if worker.process.poll() is None:
-                worker.process.kill()
-        for worker in self.workers:
-            worker.process.wait()
-        self.workers = []
-
-    def replace(self, lost: list[int]) -> int:
-        """Hands the ``lost`` ranks (this machine's dead workers' or a lost machine's) to this machine's spares
-        (the oldest first; a new process where none is left), publishes the recovery plan for the survivors and
-        refills the pool of hot spares; returns its generation."""
-        self.workers = [w for w in self.workers if w.rank not in lost]
-        idle = [w for w in self.workers if w.rank is None and w.process.poll() is None]
-        replacements: dict[int, int] = {}
-        cold: list[int] = []
-        for rank in sorted(lost):
-            if idle:
-                spare = idle.pop(0)
-            else:  # no hot spare left: a new process takes the rank (it imports everything first)
-                cold.append(rank)
-                spare = self.spawn(None, 0)
-            spare.rank = rank
-            replacements[rank] = spare.spare
-            membership.publish_worker(self.store, self.restarts, rank, socket.gethostname(), spare.process.pid)
-        plan = membership.publish_plan(self.store, self.restarts, sorted(replacements), self.world_size, replacements)
-        self.publish_ranks()
-        for _ in range(len(replacements) - len(cold)):  # keep this machine's pool of hot spares full
-            self.spawn(None, 0)
-        emit("replacement_planned", generation=plan.generation, lost_ranks=plan.lost,
-             replacements={str(k): v for k, v in plan.replacements.items()}, cold=cold,
-             message=f"generation {plan.generation}: ranks {plan.lost} replaced by spares {plan.replacements}"
-             + (f" (started cold for ranks {cold})" if cold else ""))
-        return plan.generation
-
-    def watch_machines(self, adopt: bool = True) -> list[int]:
-        """Beats this machine's counter; on machine 0, returns the ranks of machines whose launcher went silent
-        for ``--node-timeout`` seconds (each declared lost once, with a ``node_lost`` event)."""
-        now = time.monotonic()
-        node = self.args.node_rank
-        if now - self._last_beat < self.args.node_timeout / 5 or self._store_lost:
-            return []
-        self._last_beat = now
-        try:
-            membership.heartbeat(self.store, self.restarts, node)
-        except RuntimeError as err:  # machine 0 ended (or died) before this one: nobody listens any more
-            self._store_lost = True
-            print(f"lightning-dlrover launch: the store on machine 0 is gone ({err}); not beating", file=sys.stderr)
-        if node != 0:
-            return []
-        lost: list[int] = []
-        for other in sorted(set(range(1, self.args.nnodes)) - self.lost_nodes):
-            count = membership.beats(self.store, self.restarts, other)
-            if count == 0 or membership.is_done(self.store, self.restarts, other):
-                continue  # not started yet, or its ranks finished
-            seen = self._seen.get(other)
-            if seen is None or seen[0] != count:
-                self._seen[other] = (count, now)
-            elif now - seen[1] > self.args.node_timeout:
-                self.lost_nodes.add(other)
-                ranks = membership.node_ranks(self.store, self.restarts, other) if adopt else []
-                emit("node_lost", node=other, ranks=ranks, silent_s=round(now - seen[1], 2),
-                     message=f"machine {other}'s launcher is silent for {now - seen[1]:.1f} s: its ranks {ranks} are lost")
-                lost += ranks
-        return lost
-
-    def failed_ranks(self) -> list[int]:
-        """The ranks of this machine's workers that exited with an error."""
-        return [w.rank for w in self.workers if w.rank is not None and w.process.poll() not in (None, 0)]
-
-    def others_finished(self) -> bool:
-        """On machine 0: every other machine's ranks finished (or the machine is gone)."""
-        return all(membership.is_done(self.store, self.restarts, n) or n in self.lost_nodes
-                   for n in range(1, self.args.nnodes))
-
-    def run(self) -> int:
-        """Watches the workers (and, on machine 0, the other machines) until every rank finished; returns the
-        job's exit code."""
-        self.start()
-        recovering: int | None = None  # generation of the recovery in progress
-        while True:
-            time.sleep(self.args.monitor_interval)
-            for spare in [w for w in self.workers if w.rank is None and w.process.poll() is not None]:
-                self.workers.remove(spare)  # a dead spare only shrinks the pool
-            if recovering is not None and membership.restored_ranks(self.store, self.restarts, recovering) >= self.world_size:
-                recovering = None
-            failed = self.failed_ranks() + self.watch_machines(adopt=not self._finished)
-            if failed:
-                recent = recovering is not None
-                if not recent:  # ranks that die together (one fault, one machine) are replaced in one plan
-                    time.sleep(self.args.settle)
-                    failed = sorted({*failed, *self.failed_ranks()})
-                # ranks on other machines survive unless their own launcher says otherwise: this one sees only its own
-                survivors = self.world_size - len(failed)
-                if survivors > 0 and not recent and not self.args.no_in_process:
-                    recovering = self.replace(failed)
-                    continue
-                if self.restarts >= self.args.max_restarts:
-                    return 1
-                reason = "no_survivor" if not survivors else "during_recovery" if recent else "in_process_off"
-                emit("restarting_all", restarts=self.restarts + 1, failed_ranks=failed, reason=reason,
-                     message=f"ranks {failed} failed "
-                     + ("with no survivor" if not survivors else "during in-process recovery" if recent else "")
-                     + ": restarting every worker")
-                self.stop(grace=self.args.stop_grace)
-                self.restarts += 1
-                self.start()
-                recovering = None
-                continue
-            ranks = [w for w in self.workers if w.rank is not None]
-            if ranks and all(w.process.poll() == 0 for w in ranks):
-                if not self._finished and not self._store_lost:
-                    membership.mark_done(self.store, self.restarts, self.args.node_rank)
-                self._finished = True
-                if self.args.node_rank != 0 or self.others_finished():  # machine 0 keeps the store up till the end
-                    return 0
-
-
-def serve_store(address: str) -> tuple[TCPStore, socket.socket]:
-    """Hosts the job's store at ``host:port`` (binding that address only); the store serves on the returned
-    socket's descriptor, which must stay open as long as the store."""
-    host, _, port = address.rpartition(":")
-    sock = socket.socket()
-    sock.bind((host, int(port)))
-    sock.listen(256)
-    store = TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                     master_listen_fd=sock.fileno(), timeout=timedelta(seconds=60))
-    return store, sock
+from lightning_dlrover.fault.inplace.supervisor import Supervisor, SupervisorConfig, serve_store
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -293,10 +64,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     store, sock = serve_store(args.master) if args.node_rank == 0 else (membership.connect(args.master), None)
-    launcher = Launcher(args, store, args.run_id or f"dlrover-{uuid.uuid4().hex[:8]}")
+    config = SupervisorConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SupervisorConfig)})
+    supervisor = Supervisor(config, store, args.run_id or f"dlrover-{uuid.uuid4().hex[:8]}")
     try:
-        return launcher.run()
+        return supervisor.run()
     finally:
-        launcher.stop()
+        supervisor.stop()
         if sock is not None:
             sock.close()
