@@ -25,8 +25,8 @@ import contextlib
 import hashlib
 import os
 import random
-import signal
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -40,8 +40,8 @@ import psutil
 from torch.distributed import TCPStore
 
 from lightning_dlrover.cli.chaos_report import summarize
-from lightning_dlrover.fault.inplace.supervisor import serve_store
 from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace.supervisor import serve_store
 from lightning_dlrover.fault.points import FAULT_ENV, PHASES, VERIFY_PARITY_ENV
 from lightning_dlrover.fault.restart.spill import SPILL_ENV
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV, EVENTS_ENV, Event, configure, emit, read_events

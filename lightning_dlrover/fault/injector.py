@@ -54,9 +54,9 @@ import lightning.pytorch as pl
 import psutil
 import torch.distributed as dist
 
-from lightning_dlrover.worker_env import restart_count
 from lightning_dlrover.fault.points import ENV_FORMAT, FAULT_ENV, PHASES, RECOVERY_PHASES, SIGNALS, TARGETS
 from lightning_dlrover.monitor.events import emit
+from lightning_dlrover.worker_env import restart_count
 
 
 class FaultInjector(pl.Callback):

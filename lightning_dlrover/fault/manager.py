@@ -1,10 +1,12 @@
-"""``FaultManager``: the fault-tolerance protocol of a training job in one object.
+"""``FaultManager``: the fault tolerance of a training job in one object, the only one a strategy talks to.
 
-It owns the per-step commit (parity deltas, the vote, snapshots of the dense state, the trainer state and
-every rank's random generators), the spill when a rank fails, the restore after ``torchrun`` restarts the
+It runs the per-step commit (:mod:`.commit`: parity deltas, the vote, snapshots of the dense state, the trainer
+state and every rank's random generators), the spill when a rank fails, the restore after ``torchrun`` restarts the
 workers, the fallback to a checkpoint when parity cannot cover a loss (or nothing was spilled), in-process
 recovery, and the recovery events. A training strategy drives it through a handful of calls::
 
+    manager.before_process_group()         # a hot spare waits to be handed a lost rank
+    manager.after_process_group(...)       # under torchrun: a restarted node takes back its spills' node rank
     manager.start(host)                    # set-up: restore a failed job, encode parity -> state to resume from
     manager.begin_step(step)               # before the forward of a training step
     manager.end_step(step, trainer_state)  # once the whole step is over (callbacks, schedulers, validation)
@@ -12,8 +14,8 @@ recovery, and the recovery events. A training strategy drives it through a handf
     manager.on_exception(error)            # spill
     manager.finish()                       # fit ended normally: nothing left behind
 
-What is committed at step ``s`` is everything a checkpoint at ``s`` holds, plus the random generators:
-resuming from it is exact for any model (Dropout, BatchNorm, any dense optimizer, manual optimisation).
+Below it: :mod:`.coding` (coded embeddings), :mod:`.restart` (spills, restore across a worker restart),
+:mod:`.inplace` (in-process recovery under ``lightning-dlrover launch``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,26 +36,27 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from lightning_dlrover.fault import rank_state
 from lightning_dlrover.fault.coding.coded_embeddings import CodedEmbeddings
 from lightning_dlrover.fault.coding.coded_state import CodedState
-from lightning_dlrover.fault.host import Host
-from lightning_dlrover.worker_env import under_torchrun
 from lightning_dlrover.fault.coding.placement import ParityConfig, ParityPlacement
-from lightning_dlrover.fault.points import VERIFY_PARITY_ENV
+from lightning_dlrover.fault.commit import CommitProtocol
+from lightning_dlrover.fault.host import Host
+from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace import protocol as inplace
 from lightning_dlrover.fault.inplace.agree import agree_on_step
-from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
+from lightning_dlrover.fault.points import VERIFY_PARITY_ENV
 from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot, dense_buffers, replicated_tensors
+from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
+from lightning_dlrover.fault.restart.renumber import renumber_nodes
 from lightning_dlrover.fault.restart.resume import fall_back, restore_failed_job
-from lightning_dlrover.fault.restart.spill import (
-    ProgressRecord,
-    Spill,
-    UnsafeSpillDir,
-    spill_dir,
-    write_spill,
-)
+from lightning_dlrover.fault.restart.spill import ProgressRecord, Spill, UnsafeSpillDir, spill_dir, write_spill
 from lightning_dlrover.monitor import StepTimer, emit
+from lightning_dlrover.worker_env import under_torchrun
+
+Plan = TypeVar("Plan")
 
 
-class FaultManager:
-    """Commit protocol, spill, restore, fallback and recovery events of one training job (see the module docs).
+class FaultManager(CommitProtocol):
+    """The fault tolerance of one training job: the per-step commit (:class:`CommitProtocol`), the launchers'
+    hooks, spill, restore, fallback, in-process recovery and their events (see the module docs).
 
     Args:
         parity: erasure code of the embedding state, ``None`` for none (a failure then falls back to a checkpoint).
@@ -60,30 +64,53 @@ class FaultManager:
     """
 
     def __init__(self, parity: ParityConfig | None, timer: StepTimer | None = None) -> None:
-        self.parity = parity
-        self.timer = timer or StepTimer()
-        self.coded: CodedEmbeddings | None = None
-        #: The last step whose state every rank holds (``trainer.global_step``); -1 before the start.
-        self.committed_step = -1
+        super().__init__(parity, timer)
         #: Whether the start restored a failed job (from survivors' spills or a fallback checkpoint).
         self.recovered = False
-        #: Called as ``point(phase, step)`` at ``before_forward``, ``after_optimizer``, ``during_parity_commit`` and
-        #: ``during_vote`` of the step in flight (``step``: its index, the ``global_step`` it started at), and at
-        #: ``after_commit`` with ``step`` the committed step.
-        self.fault_points: list[Callable[[str, int], None]] = []
-        self._host: Host | None = None
-        self._dense: ReplicatedSnapshot | None = None
-        self._meta: dict[str, Any] | None = None  # trainer state at the committed step (no tables)
-        self._rank_states: Tensor | None = None  # every rank's generators and buffers at the committed step, [world, n]
-        self._rank_state_len = 0
-        self._buffers: list[Tensor] = []  # this rank's dense module buffers
-        self._pending_rank_state: Tensor | None = None  # restored rank state, generators applied before the first resumed step
-        self._in_flight: int | None = None  # index of the step in flight
-        self._deciding: tuple[int, int, dict[str, Any], Tensor] | None = None  # a posted commit: index, step, meta, ballot
-        self._voted = -1  # the step whose vote this rank entered and did not see complete (-1: none)
-        self._announce_resume = False
-        self._progress: ProgressRecord | None = None
         self._spill_dir: Path | None = None
+        self._assignment: membership.Assignment | None = None  # the lost rank this process took, as a hot spare
+
+    # ------------------------------------------------------------------------------ launchers
+    @staticmethod
+    def process_group_backend(requested: str | None) -> str | None:
+        """The backend for ``init_process_group``: a reconfigurable gloo group under ``lightning-dlrover launch``."""
+        return inplace.process_group_backend(requested)
+
+    @staticmethod
+    def transport(backend: str) -> str:
+        """The backend that carries ``backend``'s collectives (``gloo`` for the reconfigurable group)."""
+        return inplace.transport(backend)
+
+    def before_process_group(self) -> None:
+        """On a hot spare: blocks until the launcher hands it a lost rank and becomes that rank's worker."""
+        self._assignment = inplace.take_rank_if_spare()
+
+    def after_process_group(self, node_rank: int, local_rank: int, local_world_size: int,
+                            timeout: timedelta) -> int | None:
+        """Under ``torchrun`` with parity (collective): a restarted node takes back the node rank its spills were
+        written under. Returns the new node rank (the environment is updated), ``None`` when it is unchanged."""
+        if self.parity is None or not under_torchrun() or membership.enabled():
+            return None
+        return renumber_nodes(spill_dir(), node_rank, local_rank, local_world_size, timeout)
+
+    @staticmethod
+    def joining() -> bool:
+        """Whether this process replaces a lost rank and has not joined the survivors yet."""
+        return inplace.joining()
+
+    @staticmethod
+    def shared_plan(compute: Callable[[], Plan], global_rank: int, before_reading: Callable[[], None]) -> Plan:
+        """The sharding plan, kept in the launcher's store for replacements (see :func:`.inplace.protocol.shared_plan`)."""
+        return inplace.shared_plan(compute, global_rank, before_reading)
+
+    def in_process_recovery(self) -> inplace.InProcessRecovery | None:
+        """The survivor and replacement sides of in-process recovery, ``None`` unless the world group is
+        reconfigurable (``lightning-dlrover launch``)."""
+        return inplace.InProcessRecovery(self, self._assignment) if inplace.world_group() is not None else None
+
+    def gather_rank_states(self) -> Tensor:
+        """Every rank's generators and buffers, ``[world, n]`` (collective; for a checkpoint)."""
+        return rank_state.gather_ranks(self._buffers)
 
     # ----------------------------------------------------------------------------------------- start
     def start(self, host: Host, joining: bool = False) -> dict[str, Any] | None:
@@ -145,15 +172,6 @@ class FaultManager:
             report.meta["state_dict"] = {}
         self.set_restored_rank_states(report.rank_states)
 
-    def set_restored_rank_states(self, states: Tensor | None) -> None:
-        """Every old rank's generators and buffers (``[old world, n]``): this rank takes its row (buffers now,
-        generators before the first resumed step). Ranks beyond the old world keep their own."""
-        rank = self._host.global_rank if self._host is not None else dist.get_rank()
-        self._pending_rank_state = states[rank].clone() if states is not None and rank < len(states) else None
-        if self._pending_rank_state is not None:
-            rank_state.restore_rank(self._pending_rank_state, self._buffers, generators=False)
-        self._rank_states = states
-
     def _encode(self, host: Host, state: CodedState, report: RecoveryReport | None) -> CodedEmbeddings:
         """Parity for the job's layout: the survivors' kept after a restore that kept the layout, else encoded."""
         assert self.parity is not None
@@ -187,99 +205,6 @@ class FaultManager:
                   f"and holds {parity_bytes / 2**20:.2f} MiB of parity ({parity_bytes / max(state_bytes, 1):.0%}); "
                   f"any {r} lost ranks are recoverable{node}; the recovery point is committed {point}.", flush=True)
         return coded
-
-    # ------------------------------------------------------------------------------------ each step
-    def reach(self, phase: str, step: int) -> None:
-        for point in self.fault_points:
-            point(phase, step)
-
-    def begin_step(self, step: int) -> None:
-        """Before the forward of the step that starts at ``global_step == step``: decides a commit still in flight,
-        applies restored generators."""
-        self.settle()
-        if self._pending_rank_state is not None:
-            rank_state.restore_rank(self._pending_rank_state, [])
-            self._pending_rank_state = None
-        if self._in_flight is None:
-            self._in_flight = step
-        self.reach("before_forward", step)
-
-    def end_step(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
-        """Commits the step that just ended (``step``: ``global_step`` after it) once nothing of it is left to run.
-        With ``parity.overlap`` the commit is decided by :meth:`settle` (the next :meth:`begin_step`)."""
-        if self._in_flight is None:  # no training step ran since the last commit (e.g. Lightning skipping a batch)
-            return
-        index, self._in_flight = self._in_flight, None
-        self.reach("after_optimizer", index)
-        if self.coded is None:
-            self._committed(step)
-            return
-        if step - self.committed_step < self.parity.commit_every_n_steps:
-            return  # the commit window goes on: touched rows keep their first undo-log entry
-        self.settle()
-        with self.timer.section("parity"):
-            assert self._dense is not None
-            self._dense.stage()  # everything of step ``step`` is taken now; only the exchange and the vote wait
-            ballot = rank_state.pad(rank_state.capture_rank(self._buffers), self._rank_state_len)
-            self._deciding = (index, step, trainer_state(), ballot)
-            self.coded.post_deltas()
-        if not self.parity.overlap:
-            self.settle()
-
-    def settle(self) -> None:
-        """Decides the commit in flight, if any (collective): waits for its deltas, folds them into parity, votes."""
-        if self._deciding is None:
-            return
-        assert self.coded is not None and self._dense is not None
-        index, step, meta, ballot = self._deciding
-        with self.timer.section("parity"):
-            self.coded.finish_deltas()
-            self.reach("during_parity_commit", index)
-            self._voted = step  # a failure from here on may leave other ranks committed (see :meth:`rejoin`)
-            ballots = self.coded.vote(ballot)
-            self.reach("during_vote", index)
-            self.coded.decide(step)
-            self._voted = -1
-            self._dense.promote()
-            self._meta, self._rank_states = meta, torch.stack(ballots)
-        self._deciding = None
-        self._committed(step)
-
-    def _committed(self, step: int) -> None:
-        self.committed_step = step
-        if self._progress is not None:
-            self._progress.write(step)
-        if self._announce_resume:
-            self._announce_resume = False
-            if self._host is not None and self._host.is_global_zero:
-                emit("resumed", step=step, message=f"training resumed: step {step} committed")
-        self.reach("after_commit", step)
-
-    @property
-    def has_committed_state(self) -> bool:
-        """Whether there is a trainer state to roll back to (a commit, a restored spill or a loaded checkpoint)."""
-        return self._meta is not None
-
-    @property
-    def buffers(self) -> list[Tensor]:
-        """This rank's dense module buffers (part of its rank state)."""
-        return self._buffers
-
-    def after_checkpoint_load(self, meta: dict[str, Any]) -> None:
-        """A checkpoint was loaded into the model: re-encode parity, restore every rank's generators and buffers;
-        its step is the committed one until the next commit."""
-        self._deciding, self._voted = None, -1
-        if self.coded is not None:
-            self.coded.encode()
-        self.committed_step, self._meta = meta["global_step"], dict(meta)
-        states = meta.get("dlrover_rank_states")
-        if states is not None:
-            self.set_restored_rank_states(states)
-
-    def after_optimizer_state_load(self) -> None:
-        """The dense optimizers' state was restored: it is the committed replicated state."""
-        if self._dense is not None:
-            self._dense.take()
 
     # ------------------------------------------------------------------------------------ failures
     def on_exception(self, error: BaseException) -> None:

@@ -32,18 +32,12 @@ from torchrec.optim.keyed import KeyedOptimizer
 from typing_extensions import override
 
 from lightning_dlrover.checkpoint import directory, get_backend, job
-from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig, rank_state
-from lightning_dlrover.fault.inplace import membership
-from lightning_dlrover.fault.inplace.protocol import InProcessRecovery, joining, take_rank_if_spare, world_group
-from lightning_dlrover.worker_env import node_range, under_torchrun
-from lightning_dlrover.fault.restart.renumber import renumber_nodes
-from lightning_dlrover.fault.restart.spill import spill_dir
-from lightning_dlrover.fault.inplace.process_group import BACKEND as RECONFIGURABLE
+from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig
 from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV
-from lightning_dlrover.strategy import lightning_glue as glue
 from lightning_dlrover.strategy import in_process, process_exit
+from lightning_dlrover.strategy import lightning_glue as glue
 from lightning_dlrover.strategy.sharding import (
     CPU_DEFAULT_SHARDING_TYPES,
     SHARDING_TYPES,
@@ -56,6 +50,7 @@ from lightning_dlrover.strategy.sharding import (
     distribute,
     plan_sharding,
 )
+from lightning_dlrover.worker_env import node_range
 
 
 class DLRoverStrategy(DDPStrategy):
@@ -98,7 +93,7 @@ class DLRoverStrategy(DDPStrategy):
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=in_process.process_group_backend(process_group_backend), timeout=timeout,
+            process_group_backend=FaultManager.process_group_backend(process_group_backend), timeout=timeout,
             start_method=start_method,
         )  # fmt: skip
         self._forward_redirection = glue.InnerDDPRedirection()
@@ -116,7 +111,6 @@ class DLRoverStrategy(DDPStrategy):
         self._dmp: DistributedModelParallel | None = None
         self._resume: dict[str, Any] | None = None  # restored by set-up, for Lightning to resume from
         self._started = self._snapshotting = False
-        self._assignment: membership.Assignment | None = None  # the lost rank this process took, as a hot spare
 
     @classmethod
     @override
@@ -154,15 +148,14 @@ class DLRoverStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         """Initialises the process group (a hot spare first waits to be handed a lost rank), and destroys it at
         interpreter exit."""
-        self._assignment = take_rank_if_spare()
+        self.fault.before_process_group()
         super().setup_environment()
-        if self.parity is not None and under_torchrun() and not membership.enabled():
-            before = self.node_rank
-            if renumber_nodes(spill_dir(), before, self.local_rank, self.num_processes, self._timeout) is not None:
-                self.set_world_ranks()
-                if self.local_rank == 0:
-                    print(f"lightning_dlrover: node {before} takes back node rank {self.node_rank}, the one its "
-                          "spills were written under", flush=True)
+        before = self.node_rank
+        if self.fault.after_process_group(before, self.local_rank, self.num_processes, self._timeout) is not None:
+            self.set_world_ranks()
+            if self.local_rank == 0:
+                print(f"lightning_dlrover: node {before} takes back node rank {self.node_rank}, the one its "
+                      "spills were written under", flush=True)
         process_exit.install()
 
     @property
@@ -198,9 +191,9 @@ class DLRoverStrategy(DDPStrategy):
 
     def _start_fault_tolerance(self, trainer: pl.Trainer) -> None:
         job_events.configure(Path(trainer.default_root_dir) / "dlrover_events.jsonl")
-        self._resume = self.fault.start(self, joining=membership.is_joining())
-        if world_group() is not None:
-            in_process.install(trainer, self, self.fault, InProcessRecovery(self.fault, self._assignment))
+        self._resume = self.fault.start(self, joining=self.fault.joining())
+        if (recovery := self.fault.in_process_recovery()) is not None:
+            in_process.install(trainer, self, recovery)
         if self._resume is not None:
             glue.resume_from(trainer, self._resume)
         state = lambda: self._trainer_state(trainer)  # noqa: E731
@@ -229,7 +222,7 @@ class DLRoverStrategy(DDPStrategy):
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Lightning's broadcast; on a replacement still joining the job (nobody else is listening), its own value."""
-        return obj if joining() else super().broadcast(obj, src)
+        return obj if self.fault.joining() else super().broadcast(obj, src)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -270,7 +263,7 @@ class DLRoverStrategy(DDPStrategy):
         ``lightning-dlrover fit`` calls it before the ranks start, so a bad config fails once, at once."""
         tables = check_module(module, self.compute_kernel, self.root_device.type)
         backend = backend or self._get_process_group_backend()
-        backend = "gloo" if backend == RECONFIGURABLE else backend
+        backend = FaultManager.transport(backend)
         default_types = CPU_DEFAULT_SHARDING_TYPES if backend == "gloo" else None
         return build_constraints(
             tables, self.sharding_types or default_types or SHARDING_TYPES, self.compute_kernel, self.constraints, backend
@@ -282,7 +275,7 @@ class DLRoverStrategy(DDPStrategy):
         # Dense parameters move to the device now; meta-device tables are materialised by their shards.
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
         plan = in_process.shared_plan(
-            lambda: plan_sharding(module, constraints, self.root_device, local_world_size=self.num_processes),
+            self.fault, lambda: plan_sharding(module, constraints, self.root_device, local_world_size=self.num_processes),
             self.global_rank,
         )
         self._dmp = distribute(module, plan, self.root_device)
@@ -319,7 +312,7 @@ class DLRoverStrategy(DDPStrategy):
         job.save(
             checkpoint, Path(self.broadcast(str(filepath))), self.checkpoint_backend, self.fused_optimizer,
             world_size=self.world_size, is_global_zero=self.is_global_zero, barrier=self.barrier,
-            extra_meta=lambda: {"dlrover_rank_states": rank_state.gather_ranks(self.fault.buffers)},
+            extra_meta=lambda: {"dlrover_rank_states": self.fault.gather_rank_states()},
         )  # fmt: skip
 
     @override

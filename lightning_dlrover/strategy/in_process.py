@@ -8,30 +8,21 @@ start of its fit loop. Everything else in the strategy is unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 from torchrec.distributed import collective_utils
 from torchrec.distributed.types import ShardingPlan
 
-from lightning_dlrover.fault.inplace import membership
-from lightning_dlrover.fault.inplace.protocol import InProcessRecovery, joining
-from lightning_dlrover.worker_env import restart_count
-from lightning_dlrover.fault.host import Host
-from lightning_dlrover.fault.manager import FaultManager
-from lightning_dlrover.fault.inplace.process_group import BACKEND, register
-from lightning_dlrover.fault.report import RecoveryReport
+from lightning_dlrover.fault import FaultManager, Host
 from lightning_dlrover.strategy import lightning_glue as glue
 
-
-def process_group_backend(requested: str | None) -> str | None:
-    """The backend for ``init_process_group``: the reconfigurable one under ``lightning-dlrover launch``."""
-    if not membership.enabled() or requested not in (None, "gloo", BACKEND):
-        return requested
-    register()
-    return BACKEND
+if TYPE_CHECKING:
+    from lightning_dlrover.fault.inplace.protocol import InProcessRecovery
+    from lightning_dlrover.fault.report import RecoveryReport
 
 
-def install(trainer: pl.Trainer, host: Host, manager: FaultManager, recovery: InProcessRecovery) -> None:
+def install(trainer: pl.Trainer, host: Host, recovery: InProcessRecovery) -> None:
     """Makes ``trainer``'s fit loop recover lost peers in process (and, on a replacement, join first)."""
 
     def resume(report: RecoveryReport) -> None:
@@ -51,24 +42,19 @@ def install(trainer: pl.Trainer, host: Host, manager: FaultManager, recovery: In
     def join() -> None:
         resume(recovery.join(host))
 
-    replacement = joining()
+    replacement = FaultManager.joining()
     if replacement:
         trainer.num_sanity_val_steps = 0  # the survivors are past it
     glue.rerun_fit_loop(trainer, recover, before_first_run=join if replacement else None)
 
 
-def shared_plan(compute: Callable[[], ShardingPlan], global_rank: int) -> ShardingPlan:
+def shared_plan(manager: FaultManager, compute: Callable[[], ShardingPlan], global_rank: int) -> ShardingPlan:
     """The sharding plan: computed by the planner's collective, and kept in the launcher's store for replacements,
     which read it instead (the survivors are not running the planner)."""
-    if not membership.enabled():
-        return compute()
-    store, launch = membership.connect(), restart_count()
-    if membership.is_joining():
+
+    def before_reading() -> None:
         # DistributedModelParallel's constructor broadcasts TorchRec's collective-validation flag from rank 0
         # once per process; the survivors are not listening, so the replacement keeps the default (off).
         collective_utils._INITIALIZED = True
-        return membership.read_sharding_plan(store, launch)  # type: ignore[return-value]
-    plan = compute()
-    if global_rank == 0:
-        membership.publish_sharding_plan(store, launch, plan)
-    return plan
+
+    return manager.shared_plan(compute, global_rank, before_reading)

@@ -23,7 +23,6 @@ from lightning_dlrover.checkpoint.sharded import flatten
 from lightning_dlrover.fault.coding.undo_log import UndoLog
 from lightning_dlrover.parity import as_bytes
 
-
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -1,6 +1,6 @@
 """In-process recovery: survivors stay in ``fit`` while a replacement takes a lost rank's place.
 
-Under ``lightning-dlrover launch`` (see :mod:`lightning_dlrover.cli.launch`) a lost rank no longer stops
+Under ``lightning-dlrover launch`` (see :mod:`.supervisor`) a lost rank no longer stops
 the job. The sequence, on every rank:
 
 1. **Detect.** A survivor's collective fails (gloo reports a closed peer within milliseconds; a silent peer at
@@ -11,7 +11,7 @@ the job. The sequence, on every rank:
    set-up collectives are answered locally, see :class:`~lightning_dlrover.fault.inplace.process_group.ReconfigurableGroup`).
 3. **Rebuild the communicator.** Everyone connects generation ``g + 1`` of the world group (same ranks,
    same world size; TorchRec's modules keep their group object).
-4. **Decode.** :meth:`FaultManager.rejoin`: survivors roll back to the last committed step in memory, the
+4. **Decode.** :meth:`~lightning_dlrover.fault.FaultManager.rejoin`: survivors roll back to the last committed step in memory, the
    replacement's embedding shards and optimizer state are decoded from parity, the dense and trainer state
    come from a survivor, and parity is encoded afresh.
 5. **Resume.** Lightning's loops are restored to the committed step and the fit loop runs again from there.
@@ -24,17 +24,33 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
-from lightning_dlrover.fault.inplace import membership
-from lightning_dlrover.worker_env import restart_count
 from lightning_dlrover.fault.host import Host
-from lightning_dlrover.fault.manager import FaultManager
-from lightning_dlrover.fault.inplace.process_group import ReconfigurableGroup
+from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace.process_group import BACKEND, ReconfigurableGroup, register
 from lightning_dlrover.fault.report import RecoveryReport
 from lightning_dlrover.monitor import emit
+from lightning_dlrover.worker_env import restart_count
+
+Plan = TypeVar("Plan")
+
+
+class Rejoiner(Protocol):
+    """What in-process recovery needs of the commit protocol (:class:`~lightning_dlrover.fault.FaultManager` is one)."""
+
+    committed_step: int
+
+    @property
+    def has_committed_state(self) -> bool: ...
+
+    def reach(self, phase: str, step: int) -> None: ...
+
+    def rejoin(self, host: Host, survivor: bool, lost: list[int]) -> RecoveryReport: ...
 
 
 @dataclass
@@ -45,6 +61,34 @@ class JoinTimes:
     failed_at: float | None = None  # this survivor's collective failed
     connected_at: float | None = None  # generation g + 1 of the world group is up
     restored_at: float | None = None  # decode, dense and trainer state done
+
+
+def process_group_backend(requested: str | None) -> str | None:
+    """The backend for ``init_process_group``: the reconfigurable one under ``lightning-dlrover launch``."""
+    if not membership.enabled() or requested not in (None, "gloo", BACKEND):
+        return requested
+    register()
+    return BACKEND
+
+
+def transport(backend: str) -> str:
+    """The backend that carries ``backend``'s collectives (the reconfigurable group wraps gloo)."""
+    return "gloo" if backend == BACKEND else backend
+
+
+def shared_plan(compute: Callable[[], Plan], global_rank: int, before_reading: Callable[[], None]) -> Plan:
+    """The sharding plan: ``compute()`` (the planner's collective) kept in the launcher's store for replacements,
+    which read it instead after ``before_reading()`` (the survivors are not running the planner)."""
+    if not membership.enabled():
+        return compute()
+    store, launch = membership.connect(), restart_count()
+    if membership.is_joining():
+        before_reading()
+        return membership.read_sharding_plan(store, launch)  # type: ignore[return-value]
+    plan = compute()
+    if global_rank == 0:
+        membership.publish_sharding_plan(store, launch, plan)
+    return plan
 
 
 def world_group() -> ReconfigurableGroup | None:
@@ -73,9 +117,9 @@ def take_rank_if_spare() -> membership.Assignment | None:
 
 
 class InProcessRecovery:
-    """The survivor and replacement sides of in-process recovery for one :class:`FaultManager`."""
+    """The survivor and replacement sides of in-process recovery for one commit protocol (a :class:`Rejoiner`)."""
 
-    def __init__(self, manager: FaultManager, assignment: membership.Assignment | None = None) -> None:
+    def __init__(self, manager: Rejoiner, assignment: membership.Assignment | None = None) -> None:
         self.manager = manager
         # The launcher assigns a spare when it publishes the plan: the loss time of this rank's recovery.
         self.times = JoinTimes(lost_at=assignment.assigned_at if assignment is not None else None)

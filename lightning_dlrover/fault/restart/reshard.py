@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist

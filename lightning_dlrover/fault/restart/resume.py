@@ -11,11 +11,11 @@ import torch.distributed as dist
 
 from lightning_dlrover.fault.coding.coded_state import CodedState
 from lightning_dlrover.fault.host import Host
-from lightning_dlrover.worker_env import restart_count
 from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
 from lightning_dlrover.fault.restart.reshard import restore
 from lightning_dlrover.fault.restart.spill import last_committed_step, read_spills
 from lightning_dlrover.monitor import emit
+from lightning_dlrover.worker_env import restart_count
 
 
 def restore_failed_job(host: Host, state: CodedState | None,
