@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_dlrover.advisor import control
+from lightning_dlrover.advisor.config import AdvisorConfig
 from lightning_dlrover.advisor.detectors import OOMForecaster, StragglerDetector
 from lightning_dlrover.advisor.live import LiveApplier, live_controls
 from lightning_dlrover.advisor.model import Observation, PerformanceModel
@@ -42,22 +43,6 @@ from lightning_dlrover.monitor.timing import _infer_batch_size
 
 if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
     from lightning_dlrover.advisor.history import JobHistory
-
-
-def check_history_url(history: str | None) -> None:
-    """Raises a ``ValueError`` now (not at the first step) if ``history`` names a database SQLAlchemy cannot use."""
-    if history is None or history in ("user", "run"):
-        return
-    import sqlalchemy as sa
-
-    from lightning_dlrover.advisor.history import resolve_url
-
-    url = resolve_url(history)
-    try:
-        sa.engine.make_url(url).get_dialect()
-    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as err:
-        raise ValueError(f"ResourceAdvisor(history={history!r}): not a database URL SQLAlchemy can open ({err}). Use "
-                         "'user', 'run', a file path, sqlite:///path or e.g. postgresql://user@host/db.") from err
 
 
 class ResourceAdvisor(Callback):
@@ -101,32 +86,26 @@ class ResourceAdvisor(Callback):
                  oom_horizon_steps: int | None = None, hot_rank_factor: float = 1.5, cost_per_node_hour: float = 1.0,
                  cost_per_core_hour: float = 0.0, extrapolate: bool = False, report_dir: str | None = None,
                  restart: RestartMode = "print") -> None:
-        if profile_steps < 0:
-            raise ValueError(f"ResourceAdvisor(profile_steps={profile_steps}): the profiling window must be >= 0 steps.")
-        if settle_steps < 0 or probe_steps <= settle_steps:
-            raise ValueError(f"ResourceAdvisor(probe_steps={probe_steps}, settle_steps={settle_steps}): need "
-                             "0 <= settle_steps < probe_steps (a probe must measure at least one step).")
-        if check_every_n_steps < 2:
-            raise ValueError(f"ResourceAdvisor(check_every_n_steps={check_every_n_steps}) must be >= 2.")
-        if objective == "cost" and not target_samples_per_sec:
-            raise ValueError("ResourceAdvisor(objective='cost') needs target_samples_per_sec (the throughput to reach).")
-        if objective not in ("throughput", "cost"):
-            raise ValueError(f"ResourceAdvisor(objective={objective!r}) must be 'throughput' or 'cost'.")
-        check_history_url(history)
-        if restart not in ("print", "stop"):
-            raise ValueError(f"ResourceAdvisor(restart={restart!r}) must be 'print' or 'stop'.")
-        self.restart_mode = restart
+        self.config = c = AdvisorConfig(
+            profile_steps=profile_steps, probe_steps=probe_steps, settle_steps=settle_steps, apply=apply,
+            objective=objective, target_samples_per_sec=target_samples_per_sec, search=search, history=history,
+            warm_start=warm_start, min_similarity=min_similarity, check_every_n_steps=check_every_n_steps,
+            straggler_threshold=straggler_threshold, straggler_patience=straggler_patience,
+            memory_limit_bytes=memory_limit_bytes, oom_horizon_steps=oom_horizon_steps, hot_rank_factor=hot_rank_factor,
+            cost_per_node_hour=cost_per_node_hour, cost_per_core_hour=cost_per_core_hour, extrapolate=extrapolate,
+            report_dir=report_dir, restart=restart)
+        self.restart_mode = c.restart
         #: The last restart decision (every rank), ``None`` when no change needed a restart.
         self.restart: RestartDecision | None = None
-        self.profile_steps, self.probe_steps, self.settle_steps = profile_steps, probe_steps, settle_steps
-        self.apply, self.objective, self.target = apply, objective, target_samples_per_sec
-        self.search = SearchSpace(**search) if isinstance(search, dict) else search
-        self.history_setting, self.use_warm_start, self.min_similarity = history, warm_start, min_similarity
-        self.check_every = check_every_n_steps
+        self.profile_steps, self.probe_steps, self.settle_steps = c.profile_steps, c.probe_steps, c.settle_steps
+        self.apply, self.objective, self.target = c.apply, c.objective, c.target_samples_per_sec
+        self.search = c.search
+        self.history_setting, self.use_warm_start, self.min_similarity = c.history, c.warm_start, c.min_similarity
+        self.check_every = c.check_every_n_steps
         self.stragglers = StragglerDetector(straggler_threshold, straggler_patience)
-        self.memory_limit, self.oom_horizon, self.hot_factor = memory_limit_bytes, oom_horizon_steps, hot_rank_factor
-        self.costs = (cost_per_node_hour, cost_per_core_hour)
-        self.extrapolate, self.report_dir = extrapolate, report_dir
+        self.memory_limit, self.oom_horizon, self.hot_factor = c.memory_limit_bytes, c.oom_horizon_steps, c.hot_rank_factor
+        self.costs = (c.cost_per_node_hour, c.cost_per_core_hour)
+        self.extrapolate, self.report_dir = c.extrapolate, c.report_dir
         #: Decisions and findings of the last fit (rank 0), for programs and tests.
         self.recommendation: Recommendation | None = None
         self.model: PerformanceModel | None = None
