@@ -248,10 +248,11 @@ class ResourceAdvisor(Callback):
             end = cpu_snapshot(machine_wide)
             segment.cpu = tuple(b - a for a, b in zip(segment.cpu_start, end))
         stats = gather(trainer.world_size, segment.local_stats())
-        step_s = max(s[0] for s in stats)
-        self.background = background_cores([s[4:] for s in stats], trainer.num_devices, self.machine.cores)
+        step_s = max(s.step_s for s in stats)
+        self.background = background_cores([s.cpu for s in stats], trainer.num_devices, self.machine.cores)
         self.observations.append(Observation(segment.config, self.shape, self.machine.cores - self.background, step_s,
-                                             sum(s[1] for s in stats) / len(stats), max(s[2] for s in stats)))
+                                             sum(s.data_wait_s for s in stats) / len(stats),
+                                             max(s.rss_bytes for s in stats)))
         done = len(self._segments)
         if done < len(self._schedule):
             nxt = self._schedule[done]
