@@ -43,12 +43,24 @@ class Segment:
     cpu_start: tuple[float, float, float] | None = None  # runtime.cpu_snapshot at the first measured step
     cpu: tuple[float, float, float] = (0.0, 0.0, 0.0)  # job cpu s, busy s, wall s over the measured steps
 
-    def local_stats(self) -> list[float]:
-        """``[median step s, median data wait s, peak rss, steps, job cpu s, busy cpu s, wall s]`` of this rank.
+    def local_stats(self) -> SegmentStats:
+        """This rank's measurement of the segment (all zeros before its first measured step).
 
         Medians: on a shared machine a few steps are stretched by other programs (or a collective waiting on a
         descheduled peer); the steady-state step is what the model describes."""
         n = len(self.seconds)
         if n == 0:
-            return [0.0] * 7
-        return [statistics.median(self.seconds), statistics.median(self.data_wait), max(self.rss), float(n), *self.cpu]
+            return SegmentStats(0.0, 0.0, 0.0, 0, (0.0, 0.0, 0.0))
+        return SegmentStats(statistics.median(self.seconds), statistics.median(self.data_wait), max(self.rss), n,
+                            self.cpu)
+
+
+@dataclass(frozen=True)
+class SegmentStats:
+    """One rank's measurement of a :class:`Segment`, as gathered from every rank at its end."""
+
+    step_s: float  # median step seconds
+    data_wait_s: float  # median data wait seconds
+    rss_bytes: float  # peak resident memory
+    steps: int  # steps measured
+    cpu: tuple[float, float, float]  # job cpu s, busy s, wall s over the measured steps

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_dlrover.advisor.model import JobShape, Observation, PerformanceModel
 from lightning_dlrover.advisor.recommend import Recommendation
+
+if TYPE_CHECKING:
+    from lightning_dlrover.advisor.window import RecommendedAt
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -100,7 +103,7 @@ def plot(path: str | Path, model: PerformanceModel, shape: JobShape, cores: int,
 
 def write_reports(out: Path, model: PerformanceModel, shape: JobShape, cores: int, measured: Sequence[Observation],
                   recommendation: Recommendation, findings: Sequence[str], restart: str, replan: Any,
-                  recommended_at: tuple[int, float] | None, title: str) -> Path:
+                  recommended_at: RecommendedAt | None, title: str) -> Path:
     """Prints the :func:`summary_table` and writes it, the :func:`plot` and ``advice.json`` (the recommendation,
     model, findings and re-plan) under ``out``; returns ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -116,8 +119,8 @@ def write_reports(out: Path, model: PerformanceModel, shape: JobShape, cores: in
                                             "recommended": r.best.samples_per_sec},
               "gain": r.gain, "reason": r.reason, "restart": restart, "model": model.to_dict(),
               "findings": list(findings),
-              "plot": str(png), "recommended_at_step": recommended_at[0] if recommended_at else None,
-              "recommended_after_s": recommended_at[1] if recommended_at else None,
+              "plot": str(png), "recommended_at_step": recommended_at.step if recommended_at else None,
+              "recommended_after_s": recommended_at.elapsed_s if recommended_at else None,
               "replan": None if replan is None else {
                   "imbalance_before": replan.imbalance_before, "imbalance_after": replan.imbalance_after,
                   "pooling_factors": replan.pooling_factors}}
