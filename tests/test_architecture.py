@@ -1,0 +1,109 @@
+"""The package's shape, as docs/architecture.md states it: imports point down, framework privates live in one
+adapter each, no module grows past ~400 lines. Read from the source with ``ast``; nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dlrover"
+
+#: Each room of the package and its layer: a room imports only rooms of a lower layer, or those of its own layer
+#: that :data:`SIDEWAYS` allows.
+LAYERS = {
+    # bottom: knows nothing of Lightning's trainer loop or of fault tolerance
+    "_lazy": 0, "worker_env": 0, "log": 0, "torchrec_glue": 0, "lightning_glue": 0,
+    "parity": 0, "checkpoint": 0, "data": 0, "models": 0, "monitor": 0,
+    # middle: fault tolerance and the tuning add-ons
+    "fault": 1, "elastic": 1, "pipeline_tuner": 1, "advisor": 1,
+    # top: the Lightning strategy and the command lines
+    "strategy": 2, "cli": 2, "_registration": 2, "__init__": 2, "__main__": 2,
+}
+SIDEWAYS = {
+    ("monitor", "checkpoint"),  # the state digest hashes what a checkpoint holds
+    ("models", "data"),  # the DLRM's batch type
+    ("elastic", "data"),  # the scaler resizes the data module's batches
+    ("pipeline_tuner", "data"),  # the tuner drives the staged loader
+    ("advisor", "pipeline_tuner"),  # the advisor hands the tuner its CPU budget
+    ("advisor", "elastic"),  # ... and the scaler its batch
+    ("cli", "strategy"),
+    ("__init__", "strategy"), ("__init__", "cli"), ("_registration", "strategy"), ("__main__", "cli"),
+}
+SIDEWAYS |= {(a, b) for a in LAYERS for b in LAYERS if LAYERS[a] == 0 and LAYERS[b] == 0 and b in ("_lazy", "log", "worker_env")}
+
+#: Framework internals and the one module allowed to name them.
+PRIVATES = {
+    "torchrec_glue.py": ("_lookups", "_emb_modules", "_emb_module", "_optimizer_classes", "_in_backward_optimizers",
+                         "_INITIALIZED", "_dmp_wrapped_module", "_filter_sharding_types", "_filter_compute_kernels"),
+    "lightning_glue.py": ("_checkpoint_connector", "_combined_loader", "_DDPForwardRedirection", "_loaded_checkpoint",
+                          "_data_connector", "_results"),
+}
+MAX_LINES = 410
+
+
+def _room(path: Path) -> str:
+    relative = path.relative_to(PACKAGE)
+    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            parts = node.module.split(".")
+            if parts[0] == "lightning_dlrover":
+                if len(parts) > 1:
+                    found.add(parts[1])
+                else:  # from lightning_dlrover import worker_env
+                    found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "lightning_dlrover" and len(parts) > 1:
+                    found.add(parts[1])
+    return found
+
+
+def test_every_room_has_a_layer():
+    rooms = {_room(path) for path in _modules()}
+    assert rooms <= set(LAYERS), f"rooms without a layer in LAYERS (and docs/architecture.md): {rooms - set(LAYERS)}"
+
+
+def test_imports_point_down():
+    wrong: dict[str, set[str]] = defaultdict(set)
+    for path in _modules():
+        room = _room(path)
+        for target in _imports(path) - {room}:
+            if target not in LAYERS:
+                continue
+            if LAYERS[target] < LAYERS[room] or (room, target) in SIDEWAYS:
+                continue
+            wrong[str(path.relative_to(PACKAGE))].add(target)
+    assert not wrong, f"imports that do not point down (see docs/architecture.md): {dict(wrong)}"
+
+
+@pytest.mark.parametrize("owner", sorted(PRIVATES))
+def test_framework_privates_live_in_their_adapter(owner):
+    names = set(PRIVATES[owner])
+    elsewhere: dict[str, set[str]] = defaultdict(set)
+    for path in _modules():
+        if path.name == owner and path.parent == PACKAGE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in names:
+                elsewhere[str(path.relative_to(PACKAGE))].add(node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+                elsewhere[str(path.relative_to(PACKAGE))].add(node.value)
+    assert not elsewhere, f"framework internals outside lightning_dlrover/{owner}: {dict(elsewhere)}"
+
+
+def test_no_module_is_over_the_size_a_reader_takes_in():
+    long = {str(p.relative_to(PACKAGE)): n for p in _modules() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split by concern): {long}"
