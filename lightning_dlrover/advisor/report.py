@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_dlrover.advisor.model import JobShape, Observation, PerformanceModel
 from lightning_dlrover.advisor.recommend import Recommendation
+from lightning_dlrover.log import get_logger, rank_zero_report
+
+log = get_logger(__name__)
 
 if TYPE_CHECKING:
     from lightning_dlrover.advisor.window import RecommendedAt
@@ -110,7 +113,7 @@ def write_reports(out: Path, model: PerformanceModel, shape: JobShape, cores: in
     table = summary_table(model, shape, cores, measured, recommendation, findings, restart)
     if replan is not None and replan.worthwhile:
         table += "\n" + replan.constraints_yaml()
-    print(table, flush=True)
+    rank_zero_report(log, table)
     (out / "advisor_report.txt").write_text(table + "\n")
     png = plot(out / "advisor_model.png", model, shape, cores, measured, recommendation, title)
     r = recommendation

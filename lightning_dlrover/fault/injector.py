@@ -55,8 +55,11 @@ import psutil
 import torch.distributed as dist
 
 from lightning_dlrover.fault.points import ENV_FORMAT, FAULT_ENV, PHASES, RECOVERY_PHASES, SIGNALS, TARGETS
+from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor.events import emit
 from lightning_dlrover.worker_env import restart_count
+
+log = get_logger(__name__)
 
 
 class FaultInjector(pl.Callback):
@@ -201,25 +204,18 @@ class FaultInjector(pl.Callback):
         emit("fault_injected", step=step, phase=phase, target=self.target, signal=self.signal,
              committed_step=getattr(self._strategy, "committed_step", None))
         if self.signal == "error":
-            print(f"FaultInjector: raising RuntimeError on rank {rank} (pid {pid}) at step {step}, phase {phase}",
-                  file=sys.stderr, flush=True)
+            log.warning(f"FaultInjector: raising RuntimeError on rank {rank} (pid {pid}) at step {step}, phase {phase}")
             raise RuntimeError(f"FaultInjector: injected error on rank {rank} at step {step}, phase {phase}")
         if self.target == "node":
             agent = psutil.Process(os.getppid())
             workers = [p for p in agent.children() if p.pid != pid]
-            print(
+            log.warning(
                 f"FaultInjector: killing node at {time.time():.3f} (agent pid {agent.pid}, workers "
-                f"{sorted(p.pid for p in workers) + [pid]}) from rank {rank} at step {step}, phase {phase}",
-                file=sys.stderr,
-                flush=True,
+                f"{sorted(p.pid for p in workers) + [pid]}) from rank {rank} at step {step}, phase {phase}"
             )
             for process in [agent, *workers]:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.kill()
             os.kill(pid, signals.SIGKILL)
-        print(
-            f"FaultInjector: killing rank {rank} (pid {pid}) at step {step}, phase {phase} with {self.signal}",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.warning(f"FaultInjector: killing rank {rank} (pid {pid}) at step {step}, phase {phase} with {self.signal}")
         os.kill(pid, getattr(signals, self.signal))

@@ -48,8 +48,11 @@ from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
 from lightning_dlrover.fault.restart.renumber import renumber_nodes
 from lightning_dlrover.fault.restart.resume import fall_back, restore_failed_job
 from lightning_dlrover.fault.restart.spill import ProgressRecord, Spill, UnsafeSpillDir, spill_dir, write_spill
+from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import StepTimer, emit
 from lightning_dlrover.worker_env import under_torchrun
+
+log = get_logger(__name__)
 
 Plan = TypeVar("Plan")
 
@@ -201,9 +204,10 @@ class FaultManager(CommitProtocol):
                         "; a lost node is NOT (it holds too many members of a parity group: raise r or add nodes)")
             n = self.parity.commit_every_n_steps
             point = "every step" if n == 1 else f"every {n} steps (a failure trains at most {n - 1} steps again)"
-            print(f"DLRoverStrategy parity k={k} r={r}: rank 0 codes {state_bytes / 2**20:.2f} MiB of embedding state "
-                  f"and holds {parity_bytes / 2**20:.2f} MiB of parity ({parity_bytes / max(state_bytes, 1):.0%}); "
-                  f"any {r} lost ranks are recoverable{node}; the recovery point is committed {point}.", flush=True)
+            rank_zero_report(log, f"DLRoverStrategy parity k={k} r={r}: rank 0 codes {state_bytes / 2**20:.2f} MiB of "
+                             f"embedding state and holds {parity_bytes / 2**20:.2f} MiB of parity "
+                             f"({parity_bytes / max(state_bytes, 1):.0%}); any {r} lost ranks are recoverable{node}; the "
+                             f"recovery point is committed {point}.")
         return coded
 
     # ------------------------------------------------------------------------------------ failures

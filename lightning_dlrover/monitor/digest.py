@@ -19,7 +19,10 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from lightning_dlrover.checkpoint.sharded import flatten
+from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor.events import emit
+
+log = get_logger(__name__)
 
 BLOCK_BYTES = 16 << 20
 
@@ -135,7 +138,7 @@ class StateDigest(pl.Callback):
         digest = training_state_digest(trainer)
         self.digests[trainer.global_step] = digest
         if trainer.is_global_zero:
-            print(f"state digest at step {trainer.global_step}: {digest}", flush=True)
+            rank_zero_report(log, f"state digest at step {trainer.global_step}: {digest}")
             emit("digest", step=trainer.global_step, digest=digest, final=False)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lightning_dlrover.log import get_logger
+
+log = get_logger(__name__)
 
 #: Environment variable naming the events file (it wins over :func:`configure`).
 EVENTS_ENV = "LIGHTNING_DLROVER_EVENTS"
@@ -112,7 +115,7 @@ def _rank() -> int:
 
 
 def emit(kind: str, step: int | None = None, message: str | None = None, **fields: Any) -> Event:
-    """Records an event; with ``message``, also prints ``lightning_dlrover: <message>`` to stderr for people."""
+    """Records an event; with ``message``, also logs ``lightning_dlrover: <message>`` (stderr, rank-prefixed) for people."""
     if kind not in KINDS:
         raise ValueError(f"unknown event kind {kind!r}; known: {sorted(KINDS)}")
     unknown = set(fields) - set(KINDS[kind])
@@ -120,7 +123,7 @@ def emit(kind: str, step: int | None = None, message: str | None = None, **field
         raise ValueError(f"event {kind!r} has no fields {sorted(unknown)}; its fields are {list(KINDS[kind])}")
     event = Event(kind, time.time(), _rank(), step, os.getpid(), fields)
     if message is not None:
-        print(f"lightning_dlrover: {message}", file=sys.stderr, flush=True)
+        log.info(f"lightning_dlrover: {message}")
     path = events_path()
     if path is not None:
         line = json.dumps({"schema": SCHEMA, "kind": kind, "time": event.time, "rank": event.rank, "pid": event.pid,

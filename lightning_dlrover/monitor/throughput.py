@@ -31,9 +31,12 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor.steps import StepRecord, rss_bytes, thread_busy_seconds
 from lightning_dlrover.monitor.summary import _MB, RankThroughput, ThroughputSummary, _memory_bytes, _Totals
 from lightning_dlrover.monitor.timing import BUILTIN_SECTIONS, StepTimer, _infer_batch_size
+
+log = get_logger(__name__)
 
 __all__ = ["BUILTIN_SECTIONS", "RankThroughput", "StepTimer", "ThroughputMonitor", "ThroughputSummary"]
 
@@ -196,7 +199,7 @@ class ThroughputMonitor(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Print the summary table on rank 0, once the progress bars are closed."""
         if self.summary and self._summary_stats is not None and trainer.is_global_zero:
-            print(self._summary_stats.format_table())
+            rank_zero_report(log, self._summary_stats.format_table())
 
     def _now(self) -> float:
         if self._sync:

@@ -20,12 +20,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_dlrover.data.pipeline import PipelineConfig, PipelinedLoader
+from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import emit
 from lightning_dlrover.pipeline.agent import Decision, RLTuner, shrink
 from lightning_dlrover.pipeline.baselines import FixedTuner, HillClimbTuner
 from lightning_dlrover.pipeline.harness import Trace, TunerDriver
 from lightning_dlrover.pipeline.observe import Budget, MemoryGuard
 from lightning_dlrover.pipeline.report import plot, summary
+
+log = get_logger(__name__)
 
 
 def find_pipelined_loader(trainer: Trainer) -> PipelinedLoader:
@@ -150,4 +153,4 @@ class PipelineTuner(Callback):
                          "next_config": p.next_config.short() if p.next_config else None} for p in trace.points]},
             indent=1))
         if trainer.is_global_zero:
-            print(summary(trace, self.budget.cpus, self.budget.memory_bytes), flush=True)
+            rank_zero_report(log, summary(trace, self.budget.cpus, self.budget.memory_bytes))

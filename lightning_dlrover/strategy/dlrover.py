@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lightning_dlrover.checkpoint import directory, get_backend, job
 from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig
+from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV
@@ -51,6 +52,8 @@ from lightning_dlrover.strategy.sharding import (
     plan_sharding,
 )
 from lightning_dlrover.worker_env import node_range
+
+log = get_logger(__name__)
 
 
 class DLRoverStrategy(DDPStrategy):
@@ -154,8 +157,8 @@ class DLRoverStrategy(DDPStrategy):
         if self.fault.after_process_group(before, self.local_rank, self.num_processes, self._timeout) is not None:
             self.set_world_ranks()
             if self.local_rank == 0:
-                print(f"lightning_dlrover: node {before} takes back node rank {self.node_rank}, the one its "
-                      "spills were written under", flush=True)
+                log.info(f"lightning_dlrover: node {before} takes back node rank {self.node_rank}, the one its "
+                         "spills were written under")
         process_exit.install()
 
     @property

@@ -184,8 +184,8 @@ def test_env_var_kills_rank_in_a_job(tmp_path, phase, devices, parity):
     proc = run_job(args, tmp_path, fault=f"rank=1,step=3,phase={phase}")
     assert proc.returncode != 0, proc.stdout[-4000:]
     assert f"at step 3, phase {phase} with SIGKILL" in proc.stdout
-    killed = [line for line in proc.stdout.splitlines() if line.startswith("FaultInjector: killing")]
-    assert len(killed) == 1 and killed[0].startswith("FaultInjector: killing rank 1 (pid "), killed
+    killed = [line for line in proc.stdout.splitlines() if "FaultInjector: killing" in line]  # after "[rank: N] "
+    assert len(killed) == 1 and killed[0].startswith("[rank: 1] FaultInjector: killing rank 1 (pid "), killed
     assert not digests(proc.stdout), "training must not finish"
 
 

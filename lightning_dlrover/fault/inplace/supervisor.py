@@ -29,7 +29,10 @@ from torch.distributed import TCPStore
 
 from lightning_dlrover import worker_env
 from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor.events import emit
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,7 @@ class Supervisor:
             membership.heartbeat(self.store, self.restarts, node)
         except RuntimeError as err:  # machine 0 ended (or died) before this one: nobody listens any more
             self._store_lost = True
-            print(f"lightning-dlrover launch: the store on machine 0 is gone ({err}); not beating", file=sys.stderr)
+            log.warning(f"lightning-dlrover launch: the store on machine 0 is gone ({err}); not beating")
         if node != 0:
             return []
         lost: list[int] = []
