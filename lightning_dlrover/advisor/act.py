@@ -14,6 +14,7 @@ from lightning_dlrover.advisor.live import LiveApplier, live_controls
 from lightning_dlrover.advisor.recommend import Recommendation
 from lightning_dlrover.advisor.resources import ResourceConfig, SearchSpace
 from lightning_dlrover.advisor.restart import RestartDecision, decide_restart, program_argv
+from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import emit
 from lightning_dlrover.monitor.timing import _infer_batch_size
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
     from lightning_dlrover.advisor.config import AdvisorConfig
+
+log = get_logger(__name__)
 
 
 class Actor:
@@ -61,7 +64,7 @@ class Actor:
         """Applies ``target``'s live knobs (if ``apply``), prints what needs a restart, records an event."""
         if target == self.current:
             if trainer.is_global_zero:
-                print(f"ResourceAdvisor ({stage}): keep {target.short()}", flush=True)
+                rank_zero_report(log, f"ResourceAdvisor ({stage}): keep {target.short()}")
             return
         live = control.live_changes(self.current, target, self.controls)
         applied = {}
@@ -71,13 +74,12 @@ class Actor:
         restart = self.decide_restart(trainer, target)
         if trainer.is_global_zero:
             gain = recommendation.gain if stage == "profile" and recommendation else None
-            print(f"ResourceAdvisor ({stage}): recommend {target.short()}"
-                  + (f" ({gain:.2f}x predicted)" if gain else "")
-                  + (f"; applied live: {applied}" if applied else "; live knobs not applied (apply=False)" if live else ""),
-                  flush=True)
+            rank_zero_report(log, f"ResourceAdvisor ({stage}): recommend {target.short()}"
+                             + (f" ({gain:.2f}x predicted)" if gain else "")
+                             + (f"; applied live: {applied}" if applied else "; live knobs not applied (apply=False)" if live else ""))
             self.restart_text = restart.text() if restart else ""
             if restart:
-                print(self.restart_text, flush=True)
+                rank_zero_report(log, self.restart_text)
             emit("advice", step=trainer.global_step, stage=stage, current=self.current.to_dict(),
                  recommended=target.to_dict(), predicted_gain=gain, applied=applied, restart=self.restart_text,
                  elapsed_s=time.time() - start_time)

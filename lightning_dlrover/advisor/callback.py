@@ -34,10 +34,13 @@ from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchS
 from lightning_dlrover.advisor.restart import RestartDecision, RestartMode
 from lightning_dlrover.advisor.runtime import RuntimeWatch, broadcast
 from lightning_dlrover.advisor.window import ProfilingWindow, RecommendedAt
+from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import ThroughputMonitor, emit
 
 if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
     from lightning_dlrover.advisor.history import JobHistory
+
+log = get_logger(__name__)
 
 
 class ResourceAdvisor(Callback):
@@ -234,7 +237,7 @@ class ResourceAdvisor(Callback):
 
     def _finding(self, message: str, kind: str | None, step: int, fields: dict[str, Any]) -> None:
         self.findings.append(message)
-        print(f"ResourceAdvisor: {message}", flush=True)
+        rank_zero_report(log, f"ResourceAdvisor: {message}")
         if kind is not None:
             emit(kind, step=step, **fields)
 

@@ -16,12 +16,15 @@ from lightning_dlrover.advisor.replan import rank_loads
 from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
 from lightning_dlrover.advisor.signature import JobSignature, signature_of
 from lightning_dlrover.advisor.warmstart import warm_start
+from lightning_dlrover.log import get_logger, rank_zero_report
 
 if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
     from torch import nn
 
     from lightning_dlrover.advisor.config import AdvisorConfig
     from lightning_dlrover.advisor.history import JobHistory
+
+log = get_logger(__name__)
 
 
 class JobRecorder:
@@ -77,7 +80,7 @@ class JobRecorder:
                            objective=c.objective, target_samples_per_sec=c.target_samples_per_sec,
                            cost_per_node_hour=c.cost_per_node_hour, cost_per_core_hour=c.cost_per_core_hour,
                            extrapolate=c.extrapolate)
-        print(f"ResourceAdvisor (warm start): {found.message}", flush=True)
+        rank_zero_report(log, f"ResourceAdvisor (warm start): {found.message}")
         if found.model is not None:
             self.prior = found.model
         self.past_observations = list(found.observations)
