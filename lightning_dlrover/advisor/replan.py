@@ -112,7 +112,7 @@ def plan_placement(plan: Any) -> dict[str, list[tuple[int, int, int, str]]]:
             if spec is None or sharding.sharding_type == "data_parallel":
                 out[table] = [(r, -1, -1, "data_parallel") for r in (sharding.ranks or [])]
                 continue
-            out[table] = [(int(str(s.placement).split("rank:")[1].split("/")[0]), s.shard_sizes[0], s.shard_sizes[1],
+            out[table] = [(int(s.placement.rank()), s.shard_sizes[0], s.shard_sizes[1],
                            sharding.sharding_type) for s in spec.shards]
     return out
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_dlrover.advisor.model import JobShape
 from lightning_dlrover.advisor.resources import Machine
+from lightning_dlrover.torchrec_glue import in_backward_optimizer_classes
 
 #: Weights of the log-scale differences in :meth:`JobSignature.distance`.
 DISTANCE_WEIGHTS = {"embedding_bytes": 1.0, "pooled_floats": 1.0, "dense_params": 0.5, "global_batch": 0.5,
@@ -136,7 +137,7 @@ def table_specs(module: nn.Module, pooling_factors: dict[str, float] | None = No
 def embedding_optimizer_state(module: nn.Module) -> float:
     """:data:`STATE_BYTES` of the tables' in-backward optimizer (0 if unknown)."""
     for param in module.parameters():
-        for cls in getattr(param, "_optimizer_classes", []):
+        for cls in in_backward_optimizer_classes(param):
             return STATE_BYTES.get(cls.__name__, 1.0)
     return 0.0
 

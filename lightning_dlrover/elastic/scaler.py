@@ -36,6 +36,7 @@ from lightning_dlrover.elastic.batch import (LR_RULES, POLICIES, BatchDecision, 
                                              decide, learning_rates, lr_factor, scale_learning_rates)
 from lightning_dlrover.elastic.goodput import GoodputModel, GradientNoiseProbe, NoiseScaleEstimator
 from lightning_dlrover.monitor.events import emit
+from lightning_dlrover.torchrec_glue import dmp_wrapped_module, set_fused_learning_rate
 
 
 def _optimizers(trainer: pl.Trainer) -> list[Any]:
@@ -58,9 +59,7 @@ def _set_learning_rates(optimizers: list[Any], rates: list[float]) -> None:
     for (leaf, group), lr in zip(groups, rates):
         group["lr"] = lr
     for leaf in leaves:
-        kernel = getattr(leaf, "_emb_module", None)
-        if kernel is not None and hasattr(kernel, "set_learning_rate"):
-            kernel.set_learning_rate(leaf.param_groups[0]["lr"])
+        set_fused_learning_rate(leaf)
 
 
 def _train_loader(trainer: pl.Trainer) -> Any:
@@ -306,5 +305,5 @@ def _inner_ddp(trainer: pl.Trainer) -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
     model = trainer.strategy.model
-    wrapped = getattr(model, "_dmp_wrapped_module", model)
+    wrapped = dmp_wrapped_module(model)
     return wrapped if isinstance(wrapped, DistributedDataParallel) else None

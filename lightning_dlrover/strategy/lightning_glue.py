@@ -22,6 +22,8 @@ from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_dlrover.torchrec_glue import dmp_wrapped_module
+
 
 def dump_trainer_state(trainer: pl.Trainer) -> dict[str, Any]:
     """The trainer's checkpoint dict (loops, data position, callbacks, dense optimizers, schedulers)."""
@@ -51,7 +53,7 @@ def call_after_every_step(trainer: pl.Trainer, fn: Callable[[], None]) -> None:
 
 def inner_ddp(model: nn.Module) -> DistributedDataParallel | None:
     """The ``DistributedDataParallel`` that TorchRec's ``DistributedModelParallel`` wraps the dense part in."""
-    wrapped = getattr(model, "_dmp_wrapped_module", model)
+    wrapped = dmp_wrapped_module(model)
     return wrapped if isinstance(wrapped, DistributedDataParallel) else None
 
 
