@@ -1,4 +1,6 @@
-"""The few places where lightning-dlrover reaches into TorchRec internals, each because no public API exists.
+"""The few places where lightning-dlrover reaches into TorchRec internals, each because no public API exists,
+and the one walk over a model's embedding tables (:func:`embedding_tables`, :func:`embedding_parameters`; public
+API only) that the job signature, the sharding checks and the re-plan advice share.
 
 - :func:`fused_embedding_kernels`: a sharded module keeps its lookups, and a lookup its embedding kernels, in
   private lists (``_lookups``, ``_emb_modules``) that are not submodules; TorchRec lists a rank's kernels nowhere.
@@ -24,10 +26,91 @@ TorchRec.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
+
+
+#: The TorchRec collections whose tables :func:`embedding_tables` lists (``TableInfo.kind``).
+COLLECTION_KINDS = ("EmbeddingBagCollection", "EmbeddingCollection")
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """One embedding table, as its collection's config gives it.
+
+    Attributes:
+        name: the table's name.
+        rows: ``num_embeddings``.
+        dim: ``embedding_dim``.
+        features: the input features the table serves.
+        pooling: ``"SUM"``, ``"MEAN"``, ... for an ``EmbeddingBagCollection``'s table, ``None`` (unpooled) for an
+            ``EmbeddingCollection``'s.
+        kind: the collection's kind, one of :data:`COLLECTION_KINDS`.
+        path: the collection's path in the module walked (``""``: the module itself).
+    """
+
+    name: str
+    rows: int
+    dim: int
+    features: tuple[str, ...]
+    pooling: str | None
+    kind: str
+    path: str
+
+
+@dataclass(frozen=True)
+class EmbeddingParameter:
+    """One parameter of an embedding collection and the in-backward optimizers ``apply_optimizer_in_backward``
+    gave it.
+
+    Attributes:
+        name: ``"{collection path}.{parameter name in the collection}"``.
+        in_backward: whether it has an in-backward optimizer (see :func:`has_in_backward_optimizer`).
+        optimizer_classes: their classes (see :func:`in_backward_optimizer_classes`).
+    """
+
+    name: str
+    in_backward: bool
+    optimizer_classes: tuple[type, ...]
+
+
+def _collections(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, list[Any]]]:
+    """``(path, collection, kind, table configs)`` of every TorchRec ``EmbeddingBagCollection`` and
+    ``EmbeddingCollection`` in ``module`` (``module.named_modules()`` order). Public API only."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    for path, child in module.named_modules():
+        if isinstance(child, EmbeddingBagCollection):
+            yield path, child, "EmbeddingBagCollection", child.embedding_bag_configs()
+        elif isinstance(child, EmbeddingCollection):
+            yield path, child, "EmbeddingCollection", child.embedding_configs()
+
+
+def embedding_tables(module: nn.Module) -> list[TableInfo]:
+    """Every table of the TorchRec ``EmbeddingBagCollection``/``EmbeddingCollection`` modules in ``module``, in
+    module order (a name used by two collections is listed twice). Public API only (the collections' configs);
+    read them before sharding: the sharded collections that replace them are not listed."""
+    return [
+        TableInfo(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names),
+                  c.pooling.name if kind == "EmbeddingBagCollection" else None, kind, path)
+        for path, _, kind, configs in _collections(module)
+        for c in configs
+    ]
+
+
+def embedding_parameters(module: nn.Module) -> list[EmbeddingParameter]:
+    """Every parameter of the collections :func:`embedding_tables` walks, with its in-backward optimizers, in
+    module order. Private reach: see :func:`in_backward_optimizer_classes`, :func:`has_in_backward_optimizer`."""
+    return [
+        EmbeddingParameter(f"{path}.{name}", has_in_backward_optimizer(param),
+                           tuple(in_backward_optimizer_classes(param)))
+        for path, child, _, _ in _collections(module)
+        for name, param in child.named_parameters()
+    ]
 
 
 def fused_embedding_kernels(module: nn.Module) -> list[nn.Module]:

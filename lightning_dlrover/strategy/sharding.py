@@ -15,9 +15,8 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan, ShardingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from lightning_dlrover.torchrec_glue import has_in_backward_optimizer, in_backward_optimizer_classes, ordered_enumerator
+from lightning_dlrover import torchrec_glue
 
 SHARDING_TYPES = [t.value for t in ShardingType]
 COMPUTE_KERNELS = [k.value for k in EmbeddingComputeKernel]
@@ -73,28 +72,12 @@ def check_options(
 
 def embedding_tables(module: nn.Module) -> dict[str, str]:
     """Maps every embedding table name in ``module`` to the path of the collection that holds it."""
-    tables: dict[str, str] = {}
-    for path, child in module.named_modules():
-        if isinstance(child, EmbeddingBagCollection):
-            configs = child.embedding_bag_configs()
-        elif isinstance(child, EmbeddingCollection):
-            configs = child.embedding_configs()
-        else:
-            continue
-        for config in configs:
-            tables[config.name] = path
-    return tables
+    return {table.name: table.path for table in torchrec_glue.embedding_tables(module)}
 
 
 def unfused_embedding_parameters(module: nn.Module) -> list[str]:
     """Names of embedding parameters that have no TorchRec in-backward optimizer."""
-    return [
-        f"{path}.{name}"
-        for path, child in module.named_modules()
-        if isinstance(child, (EmbeddingBagCollection, EmbeddingCollection))
-        for name, param in child.named_parameters()
-        if not has_in_backward_optimizer(param)
-    ]
+    return [param.name for param in torchrec_glue.embedding_parameters(module) if not param.in_backward]
 
 
 #: In-backward optimizers FBGEMM's fused kernels run on CPU (its CPU kernels have no Adam, LAMB, LARS ...).
@@ -104,11 +87,9 @@ CPU_FUSED_OPTIMIZERS = ("SGD", "Adagrad", "RowWiseAdagrad")
 def unsupported_cpu_optimizers(module: nn.Module) -> dict[str, str]:
     """``{parameter: optimizer class}`` of embedding parameters whose in-backward optimizer FBGEMM cannot run on CPU."""
     return {
-        f"{path}.{name}": cls.__name__
-        for path, child in module.named_modules()
-        if isinstance(child, (EmbeddingBagCollection, EmbeddingCollection))
-        for name, param in child.named_parameters()
-        for cls in in_backward_optimizer_classes(param)
+        param.name: cls.__name__
+        for param in torchrec_glue.embedding_parameters(module)
+        for cls in param.optimizer_classes
         if cls.__name__ not in CPU_FUSED_OPTIMIZERS
     }
 
@@ -198,7 +179,7 @@ def plan_sharding(
     """Runs TorchRec's planner on rank 0 and shares the plan with every rank (a collective)."""
     world_size = dist.get_world_size()
     topology = Topology(world_size=world_size, compute_device=device.type, local_world_size=local_world_size)
-    enumerator = ordered_enumerator(topology=topology, batch_size=BATCH_SIZE, constraints=constraints)
+    enumerator = torchrec_glue.ordered_enumerator(topology=topology, batch_size=BATCH_SIZE, constraints=constraints)
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, enumerator=enumerator)
     try:
         return planner.collective_plan(module, sharders or get_default_sharders(), dist.GroupMember.WORLD)
