@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import lightning.pytorch as pl
 from torchrec.distributed.types import ShardingPlan
 
+from lightning_dlrover import lightning_glue as glue
 from lightning_dlrover.fault import FaultManager, Host
-from lightning_dlrover.strategy import lightning_glue as glue
 from lightning_dlrover.torchrec_glue import skip_collective_validation_broadcast
 
 if TYPE_CHECKING:
