@@ -16,11 +16,13 @@ API only) that the job signature, the sharding checks and the re-plan advice sha
 - :func:`skip_collective_validation_broadcast`: ``DistributedModelParallel``'s constructor broadcasts TorchRec's
   collective-validation flag once per process; only ``collective_utils._INITIALIZED`` says it happened.
 
-This module sits at the bottom of the package, beside :mod:`lightning_dlrover.worker_env` and imports nothing
-from it: imports only point down, and ``fault/``, ``elastic/`` and ``advisor/`` (middle layers, which must not
-import ``strategy/``) call it as well as ``strategy/`` does. TorchRec is imported inside the functions that need
-it, so the command lines (``advise``, ``simulate``), which import ``advisor/`` and ``elastic/``, still load no
-TorchRec.
+This module sits at the bottom of the package, at its root beside :mod:`lightning_dlrover.worker_env` and
+:mod:`lightning_dlrover.lightning_glue`, and imports nothing from the package: imports only point down, and
+``fault/``, ``elastic/`` and ``advisor/`` (middle layers, which must not import ``strategy/``) call it as well as
+``strategy/`` does. A root module rather than an ``adapters/`` package: each adapter is one module, and a
+``*_glue`` name is not mistaken for the framework it wraps (``adapters/torchrec.py`` would be imported as
+``torchrec``). TorchRec is imported inside the functions that need it, so the command lines (``advise``,
+``simulate``), which import ``advisor/`` and ``elastic/``, still load no TorchRec.
 """
 
 from __future__ import annotations
