@@ -48,9 +48,10 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_dlrover.data.sources import SyntheticCriteo
-from lightning_dlrover.fault.coding.coded_state import INT_OF_SIZE, CodedState, fused_embedding_kernels
+from lightning_dlrover.fault.coding.coded_state import INT_OF_SIZE, CodedState
 from lightning_dlrover.parity import cpu as gf_cpu
 from lightning_dlrover.strategy.sharding import plan_sharding
+from lightning_dlrover.torchrec_glue import fused_embedding_kernels
 
 
 class OldCodedState(CodedState):

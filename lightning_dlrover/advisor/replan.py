@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_dlrover.advisor.signature import TableSpec
+from lightning_dlrover.torchrec_glue import embedding_tables
 
 
 def _natural(name: str) -> tuple:
@@ -112,7 +113,7 @@ def plan_placement(plan: Any) -> dict[str, list[tuple[int, int, int, str]]]:
             if spec is None or sharding.sharding_type == "data_parallel":
                 out[table] = [(r, -1, -1, "data_parallel") for r in (sharding.ranks or [])]
                 continue
-            out[table] = [(int(str(s.placement).split("rank:")[1].split("/")[0]), s.shard_sizes[0], s.shard_sizes[1],
+            out[table] = [(int(s.placement.rank()), s.shard_sizes[0], s.shard_sizes[1],
                            sharding.sharding_type) for s in spec.shards]
     return out
 
@@ -237,12 +238,4 @@ def strategy_placement(strategy: Any) -> dict[str, list[tuple[int, int, int, str
 
 def table_features(module: torch.nn.Module) -> dict[str, list[str]]:
     """Feature names of every embedding table of ``module``'s ``EmbeddingBagCollection``/``EmbeddingCollection``."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-
-    out = {}
-    for child in module.modules():
-        if isinstance(child, EmbeddingBagCollection):
-            out.update({c.name: list(c.feature_names) for c in child.embedding_bag_configs()})
-        elif isinstance(child, EmbeddingCollection):
-            out.update({c.name: list(c.feature_names) for c in child.embedding_configs()})
-    return out
+    return {t.name: list(t.features) for t in embedding_tables(module)}

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_dlrover.advisor.model import JobShape
 from lightning_dlrover.advisor.resources import Machine
+from lightning_dlrover.torchrec_glue import embedding_tables, in_backward_optimizer_classes
 
 #: Weights of the log-scale differences in :meth:`JobSignature.distance`.
 DISTANCE_WEIGHTS = {"embedding_bytes": 1.0, "pooled_floats": 1.0, "dense_params": 0.5, "global_batch": 0.5,
@@ -118,25 +119,14 @@ STATE_BYTES = {"RowWiseAdagrad": 0.0, "Adagrad": 1.0, "SGD": 0.0, "Adam": 2.0}
 
 def table_specs(module: nn.Module, pooling_factors: dict[str, float] | None = None) -> tuple[TableSpec, ...]:
     """Every embedding table of TorchRec ``EmbeddingBagCollection``/``EmbeddingCollection`` modules in ``module``."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-
     pooling_factors = pooling_factors or {}
-    specs = []
-    for child in module.modules():
-        if isinstance(child, EmbeddingBagCollection):
-            configs = child.embedding_bag_configs()
-        elif isinstance(child, EmbeddingCollection):
-            configs = child.embedding_configs()
-        else:
-            continue
-        specs += [TableSpec(c.name, c.num_embeddings, c.embedding_dim, pooling_factors.get(c.name, 1.0)) for c in configs]
-    return tuple(specs)
+    return tuple(TableSpec(t.name, t.rows, t.dim, pooling_factors.get(t.name, 1.0)) for t in embedding_tables(module))
 
 
 def embedding_optimizer_state(module: nn.Module) -> float:
     """:data:`STATE_BYTES` of the tables' in-backward optimizer (0 if unknown)."""
     for param in module.parameters():
-        for cls in getattr(param, "_optimizer_classes", []):
+        for cls in in_backward_optimizer_classes(param):
             return STATE_BYTES.get(cls.__name__, 1.0)
     return 0.0
 

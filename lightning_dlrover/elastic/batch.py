@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lightning_dlrover.torchrec_glue import set_fused_learning_rate
+
 Policy = Literal["keep_global", "keep_per_rank", "goodput"]
 LRRule = Literal["linear", "sqrt", "adascale", "none"]
 POLICIES: tuple[str, ...] = ("keep_global", "keep_per_rank", "goodput")
@@ -168,9 +170,7 @@ def scale_learning_rates(optimizers: Iterable[Any], factor: float) -> list[float
             for group in leaf.param_groups:
                 group["lr"] = group["lr"] * factor
                 rates.append(float(group["lr"]))
-            kernel = getattr(leaf, "_emb_module", None)
-            if kernel is not None and hasattr(kernel, "set_learning_rate"):
-                kernel.set_learning_rate(leaf.param_groups[0]["lr"])
+            set_fused_learning_rate(leaf)
     return rates
 
 

@@ -32,10 +32,12 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_dlrover import lightning_glue as glue
 from lightning_dlrover.elastic.batch import (LR_RULES, POLICIES, BatchDecision, BatchRange, LRRule, Policy, _nearest,
                                              decide, learning_rates, lr_factor, scale_learning_rates)
 from lightning_dlrover.elastic.goodput import GoodputModel, GradientNoiseProbe, NoiseScaleEstimator
 from lightning_dlrover.monitor.events import emit
+from lightning_dlrover.torchrec_glue import set_fused_learning_rate
 
 
 def _optimizers(trainer: pl.Trainer) -> list[Any]:
@@ -58,9 +60,7 @@ def _set_learning_rates(optimizers: list[Any], rates: list[float]) -> None:
     for (leaf, group), lr in zip(groups, rates):
         group["lr"] = lr
     for leaf in leaves:
-        kernel = getattr(leaf, "_emb_module", None)
-        if kernel is not None and hasattr(kernel, "set_learning_rate"):
-            kernel.set_learning_rate(leaf.param_groups[0]["lr"])
+        set_fused_learning_rate(leaf)
 
 
 def _train_loader(trainer: pl.Trainer) -> Any:
@@ -73,28 +73,18 @@ def _train_loader(trainer: pl.Trainer) -> Any:
 
 
 def _recount_epoch(trainer: pl.Trainer, loader: Any) -> None:
-    """Makes the epoch end at the loader's last full batch after a batch change.
-
-    Lightning counts an epoch's batches once, from ``len(loader)`` at set-up (the fit loop's ``max_batches``, the
-    combined loader's limit, the data fetcher's length), so a smaller batch would end the epoch early and skip its
-    last samples. This recounts the current epoch (batches fetched so far plus the full batches the loader has
-    left, at the new size) and lets later epochs take their length from the loader. Lightning has no public API
-    for it: the fit loop's data fetcher and combined loader are reached directly. A user's ``limit_train_batches``
-    is left alone."""
-    loop = trainer.fit_loop
-    fetcher, combined = getattr(loop, "_data_fetcher", None), getattr(loop, "_combined_loader", None)
+    """Makes the epoch end at the loader's last full batch after a batch change: recounts the current epoch
+    (batches fetched so far plus the full batches the loader has left, at the new size) and lets later epochs take
+    their length from the loader (:func:`lightning_dlrover.lightning_glue.recount_epoch`). A user's
+    ``limit_train_batches`` is left alone."""
     source = getattr(loader, "source", None)
-    if trainer.limit_train_batches != 1.0 or fetcher is None or combined is None or fetcher.length is None \
-            or source is None:
+    if source is None:
         return
-    left = (len(source) - int(loader.state_dict()["next_sample"])) // int(loader.global_batch_size)
-    combined.limits = None  # later epochs: len(loader) at the batch size then in use
-    fetcher.length = fetcher.fetched + left
-    fetcher.done = left == 0
-    loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
-    loop.max_batches = float("inf")  # the epoch ends on the fetcher's last batch
-    if trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch is not None:
-        trainer.val_check_batch = float("inf")  # validation stays at the epoch's end
+
+    def batches_left() -> int:
+        return (len(source) - int(loader.state_dict()["next_sample"])) // int(loader.global_batch_size)
+
+    glue.recount_epoch(trainer, batches_left)
 
 
 class ElasticBatchScaler(Callback):
@@ -160,7 +150,8 @@ class ElasticBatchScaler(Callback):
             base = self._global_batch
         self._lrs = learning_rates(optimizers)
         self.goodput = GoodputModel(base, noise_scale=self.probe.estimator.noise_scale, min_gain=self.min_gain)
-        if self.policy == "goodput" and world > 1 and (ddp := _inner_ddp(trainer)) is not None and not self.probe.attached:
+        if self.policy == "goodput" and world > 1 and (ddp := glue.inner_ddp(trainer.strategy.model)) is not None \
+                and not self.probe.attached:
             self.probe.attach(ddp)
         if world != self._world_size or self._global_batch not in self.range.feasible(world):
             self._apply(trainer, "world_size_changed" if world != self._world_size else "out_of_range")
@@ -300,11 +291,3 @@ class ElasticBatchScaler(Callback):
             dist.broadcast_object_list(box, src=0)
             return box[0]
         return decision
-
-
-def _inner_ddp(trainer: pl.Trainer) -> Any:
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = trainer.strategy.model
-    wrapped = getattr(model, "_dmp_wrapped_module", model)
-    return wrapped if isinstance(wrapped, DistributedDataParallel) else None

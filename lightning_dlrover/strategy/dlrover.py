@@ -31,6 +31,7 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.optim.keyed import KeyedOptimizer
 from typing_extensions import override
 
+from lightning_dlrover import lightning_glue as glue
 from lightning_dlrover.checkpoint import directory, get_backend, job
 from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig
 from lightning_dlrover.log import get_logger
@@ -38,7 +39,6 @@ from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV
 from lightning_dlrover.strategy import in_process, process_exit
-from lightning_dlrover.strategy import lightning_glue as glue
 from lightning_dlrover.strategy.sharding import (
     CPU_DEFAULT_SHARDING_TYPES,
     SHARDING_TYPES,

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
-from torchrec.distributed import collective_utils
 from torchrec.distributed.types import ShardingPlan
 
+from lightning_dlrover import lightning_glue as glue
 from lightning_dlrover.fault import FaultManager, Host
-from lightning_dlrover.strategy import lightning_glue as glue
+from lightning_dlrover.torchrec_glue import skip_collective_validation_broadcast
 
 if TYPE_CHECKING:
     from lightning_dlrover.fault.inplace.protocol import InProcessRecovery
@@ -55,6 +55,6 @@ def shared_plan(manager: FaultManager, compute: Callable[[], ShardingPlan], glob
     def before_reading() -> None:
         # DistributedModelParallel's constructor broadcasts TorchRec's collective-validation flag from rank 0
         # once per process; the survivors are not listening, so the replacement keeps the default (off).
-        collective_utils._INITIALIZED = True
+        skip_collective_validation_broadcast()
 
     return manager.shared_plan(compute, global_rank, before_reading)

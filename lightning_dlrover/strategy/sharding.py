@@ -13,10 +13,10 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.constants import BATCH_SIZE
-from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan, ShardingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+from lightning_dlrover import torchrec_glue
 
 SHARDING_TYPES = [t.value for t in ShardingType]
 COMPUTE_KERNELS = [k.value for k in EmbeddingComputeKernel]
@@ -72,28 +72,12 @@ def check_options(
 
 def embedding_tables(module: nn.Module) -> dict[str, str]:
     """Maps every embedding table name in ``module`` to the path of the collection that holds it."""
-    tables: dict[str, str] = {}
-    for path, child in module.named_modules():
-        if isinstance(child, EmbeddingBagCollection):
-            configs = child.embedding_bag_configs()
-        elif isinstance(child, EmbeddingCollection):
-            configs = child.embedding_configs()
-        else:
-            continue
-        for config in configs:
-            tables[config.name] = path
-    return tables
+    return {table.name: table.path for table in torchrec_glue.embedding_tables(module)}
 
 
 def unfused_embedding_parameters(module: nn.Module) -> list[str]:
     """Names of embedding parameters that have no TorchRec in-backward optimizer."""
-    return [
-        f"{path}.{name}"
-        for path, child in module.named_modules()
-        if isinstance(child, (EmbeddingBagCollection, EmbeddingCollection))
-        for name, param in child.named_parameters()
-        if not getattr(param, "_in_backward_optimizers", None)
-    ]
+    return [param.name for param in torchrec_glue.embedding_parameters(module) if not param.in_backward]
 
 
 #: In-backward optimizers FBGEMM's fused kernels run on CPU (its CPU kernels have no Adam, LAMB, LARS ...).
@@ -103,11 +87,9 @@ CPU_FUSED_OPTIMIZERS = ("SGD", "Adagrad", "RowWiseAdagrad")
 def unsupported_cpu_optimizers(module: nn.Module) -> dict[str, str]:
     """``{parameter: optimizer class}`` of embedding parameters whose in-backward optimizer FBGEMM cannot run on CPU."""
     return {
-        f"{path}.{name}": cls.__name__
-        for path, child in module.named_modules()
-        if isinstance(child, (EmbeddingBagCollection, EmbeddingCollection))
-        for name, param in child.named_parameters()
-        for cls in getattr(param, "_optimizer_classes", [])
+        param.name: cls.__name__
+        for param in torchrec_glue.embedding_parameters(module)
+        for cls in param.optimizer_classes
         if cls.__name__ not in CPU_FUSED_OPTIMIZERS
     }
 
@@ -187,20 +169,6 @@ def build_constraints(
     return constraints
 
 
-class OrderedEnumerator(EmbeddingEnumerator):
-    """TorchRec's enumerator with options kept in a fixed order.
-
-    TorchRec intersects sharding types and kernels as Python sets, so when two options cost the same the
-    plan depends on the process's string-hash seed; sorting makes the same job always get the same plan.
-    """
-
-    def _filter_sharding_types(self, name: str, allowed_sharding_types: list[str], sharder_key: str = "") -> list[str]:
-        return sorted(super()._filter_sharding_types(name, allowed_sharding_types, sharder_key))
-
-    def _filter_compute_kernels(self, name: str, allowed_compute_kernels: list[str], sharding_type: str) -> list[str]:
-        return sorted(super()._filter_compute_kernels(name, allowed_compute_kernels, sharding_type))
-
-
 def plan_sharding(
     module: nn.Module,
     constraints: dict[str, ParameterConstraints],
@@ -211,7 +179,7 @@ def plan_sharding(
     """Runs TorchRec's planner on rank 0 and shares the plan with every rank (a collective)."""
     world_size = dist.get_world_size()
     topology = Topology(world_size=world_size, compute_device=device.type, local_world_size=local_world_size)
-    enumerator = OrderedEnumerator(topology=topology, batch_size=BATCH_SIZE, constraints=constraints)
+    enumerator = torchrec_glue.ordered_enumerator(topology=topology, batch_size=BATCH_SIZE, constraints=constraints)
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, enumerator=enumerator)
     try:
         return planner.collective_plan(module, sharders or get_default_sharders(), dist.GroupMember.WORLD)

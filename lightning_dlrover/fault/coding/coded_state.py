@@ -22,6 +22,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from lightning_dlrover.checkpoint.sharded import flatten
 from lightning_dlrover.fault.coding.undo_log import UndoLog
 from lightning_dlrover.parity import as_bytes
+from lightning_dlrover.torchrec_glue import fused_embedding_kernels
 
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -110,21 +111,6 @@ def _shard_specs(module: nn.Module) -> dict[int, SegmentSpec]:
     return specs
 
 
-def fused_embedding_kernels(module: nn.Module) -> list[nn.Module]:
-    """TorchRec's fused embedding kernels (``BatchedFusedEmbeddingBag`` and alike) of every sharded module.
-
-    Sharded modules keep their lookups in a plain list (``_lookups``), so they are not submodules.
-    Data-parallel tables use the dense kernel and are replicated on every rank: they need no parity.
-    """
-    return [
-        kernel
-        for m in module.modules()
-        for lookup in getattr(m, "_lookups", None) or []
-        for kernel in getattr(lookup, "_emb_modules", [])
-        if hasattr(kernel, "split_embedding_weights") and hasattr(getattr(kernel, "_emb_module", None), "split_optimizer_states")
-    ]
-
-
 class CodedState:
     """This rank's coded embedding state, its chunk layout and the rows touched in the current step.
 
@@ -140,7 +126,7 @@ class CodedState:
         num_tables = 0
         for kernel in fused_embedding_kernels(module):
             self._hooks.append(kernel.register_forward_pre_hook(self._capture(kernel, first_table=num_tables)))
-            states = kernel._emb_module.split_optimizer_states() or []  # SGD keeps no state: an empty list
+            states = kernel.emb_module.split_optimizer_states() or []  # SGD keeps no state: an empty list
             tables, weights = kernel.config.embedding_tables, kernel.split_embedding_weights()
             for i, (table, weight) in enumerate(zip(tables, weights)):
                 table_states = states[i] if i < len(states) else []

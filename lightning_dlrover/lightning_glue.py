@@ -1,4 +1,4 @@
-"""The few places where ``DLRoverStrategy`` reaches into Lightning internals, each because no public API exists.
+"""The few places where lightning-dlrover reaches into Lightning internals, each because no public API exists.
 
 - :func:`dump_trainer_state` / :func:`resume_from`: Lightning builds and consumes checkpoint dicts only in its
   private ``_CheckpointConnector``; the commit snapshots the trainer's state with it and hands a restored
@@ -9,6 +9,14 @@
 - :class:`InnerDDPRedirection` / :func:`prepare_inner_ddp_for_backward`: Lightning's DDP support for manual
   optimisation looks for ``DistributedDataParallel`` at the top; TorchRec nests it inside
   ``DistributedModelParallel``.
+- :func:`rerun_fit_loop` / :func:`load_trainer_state`: in-process recovery restores the trainer's state in the
+  middle of ``fit`` through the same connector and runs the fit loop again.
+- :func:`recount_epoch`: Lightning counts an epoch's batches once, at set-up, in the fit loop's private data
+  fetcher and combined loader; ``ElasticBatchScaler`` recounts them after a batch-size change.
+
+This module sits at the bottom of the package, beside :mod:`lightning_dlrover.torchrec_glue` (the only module it
+imports from the package, for the DDP inside ``DistributedModelParallel``): imports only point down, and
+``elastic/`` (a middle layer, which must not import ``strategy/``) calls it as well as ``strategy/`` does.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+
+from lightning_dlrover.torchrec_glue import dmp_wrapped_module
 
 
 def dump_trainer_state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -51,7 +61,7 @@ def call_after_every_step(trainer: pl.Trainer, fn: Callable[[], None]) -> None:
 
 def inner_ddp(model: nn.Module) -> DistributedDataParallel | None:
     """The ``DistributedDataParallel`` that TorchRec's ``DistributedModelParallel`` wraps the dense part in."""
-    wrapped = getattr(model, "_dmp_wrapped_module", model)
+    wrapped = dmp_wrapped_module(model)
     return wrapped if isinstance(wrapped, DistributedDataParallel) else None
 
 
@@ -105,6 +115,29 @@ def load_trainer_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     finally:
         connector._loaded_checkpoint = {}
     trainer.fit_loop._combined_loader = None  # set up again by the next run, at the restored position
+
+
+def recount_epoch(trainer: pl.Trainer, batches_left: Callable[[], int]) -> None:
+    """Makes the current epoch end after ``batches_left()`` more batches (the loader's full batches left, at a new
+    batch size) and later epochs take their length from the loader again; does nothing (and does not call
+    ``batches_left``) under a user's ``limit_train_batches`` or before the fit loop's data are set up.
+
+    Lightning counts an epoch's batches once, from ``len(loader)`` at set-up (the fit loop's ``max_batches``, the
+    combined loader's limit, the data fetcher's length), so a smaller batch would end the epoch early and skip its
+    last samples. Lightning has no public API for it: the fit loop's data fetcher and combined loader are reached
+    directly."""
+    loop = trainer.fit_loop
+    fetcher, combined = getattr(loop, "_data_fetcher", None), getattr(loop, "_combined_loader", None)
+    if trainer.limit_train_batches != 1.0 or fetcher is None or combined is None or fetcher.length is None:
+        return
+    left = batches_left()
+    combined.limits = None  # later epochs: len(loader) at the batch size then in use
+    fetcher.length = fetcher.fetched + left
+    fetcher.done = left == 0
+    loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+    loop.max_batches = float("inf")  # the epoch ends on the fetcher's last batch
+    if trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch is not None:
+        trainer.val_check_batch = float("inf")  # validation stays at the epoch's end
 
 
 def reset_inner_ddp(model: nn.Module) -> None:
