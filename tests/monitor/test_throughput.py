@@ -75,10 +75,10 @@ class UnhookedManualModel(LinearModel):
 
 
 class SlowValidationModel(LinearModel):
-    """Validation that takes 20 ms per batch, run every 5 training steps."""
+    """Validation that takes 250 ms per batch, run every 5 training steps."""
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        time.sleep(0.02)
+        time.sleep(0.25)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(SlowDataset(length=2 * BATCH_SIZE), batch_size=BATCH_SIZE)
@@ -179,8 +179,9 @@ def test_validation_is_not_data_wait(tmp_path: Path) -> None:
         SlowValidationModel(), monitor, tmp_path, max_steps=20, val_check_interval=5, num_sanity_val_steps=0,
         enable_progress_bar=False,
     )
-    # three validation runs of 40 ms each would add 6 ms per measured step if they counted as data wait
-    assert monitor.summary_stats.ranks[0].sections_ms["data_wait"] < 3.0
+    # three validation runs of 500 ms each would add ~80 ms per measured step if they counted as data wait; the
+    # margin below that is wide so that a loaded machine's slower fetches do not read as validation
+    assert monitor.summary_stats.ranks[0].sections_ms["data_wait"] < 25.0
 
 
 def test_no_summary_within_warmup(tmp_path: Path) -> None:
