@@ -89,7 +89,7 @@ class DLRMDataModule(pl.LightningDataModule):
         criteo_paths: Criteo TSV files for training.
         val_criteo_paths: Criteo TSV files for validation.
         pipeline: train on ``criteo_paths`` through the staged parallel pipeline
-            (:class:`~lightning_dlrover.data.pipeline.PipelinedLoader`): workers per stage and prefetch depth
+            (:class:`~lightning_dlrover.data.staged.PipelinedLoader`): workers per stage and prefetch depth
             (``read``, ``parse``, ``transform``, ``assemble``, ``prefetch``), and optionally ``chunk_rows`` and
             ``on_error`` (``raise`` or ``skip``); ``None``: the in-process loader. Same batches either way.
     """
@@ -136,7 +136,7 @@ class DLRMDataModule(pl.LightningDataModule):
         trainer = self.trainer
         rank, world_size = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
         if train and self.hparams.pipeline is not None:
-            from lightning_dlrover.data.pipeline import pipelined_loader
+            from lightning_dlrover.data.staged import pipelined_loader
 
             return pipelined_loader(self._source(train), rank, world_size, self.hparams.global_batch_size,
                                     self.hparams.pipeline)
