@@ -1,7 +1,7 @@
 """Elastic batch scaling: simulator policies on two trace shapes, and allocator decision times.
 
 1. The simulator (``lightning_dlrover.elastic.simulator``) with the DLRM profile measured on this machine
-   (``python -m lightning_dlrover.elastic.profile``): jobs completed by the horizon and mean JCT of the
+   (``python -m lightning_dlrover.cli.profile``): jobs completed by the horizon and mean JCT of the
    fixed-batch baseline, the DP with elastic batch (Saxena et al.) and the goodput policy, on the synthetic
    (Poisson, equal jobs) and bursty (bursts, mixed sizes and ranges) traces, with node losses; ratios to fixed.
    Several seeds; the table shows the totals and medians.

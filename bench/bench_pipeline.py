@@ -3,7 +3,7 @@ RL PipelineTuner and an offline grid search (the oracle), side by side in one ha
 
 Data: generated Criteo-format day files (``lightning_dlrover.data.generate``; ``--size-mb`` per file, made once
 under ``--data``). Every variant reads the same files from the same position; batches are identical across
-variants (tested in tests/data/test_pipeline.py), so only speed and memory differ.
+variants (tested in tests/data/test_staged.py), so only speed and memory differ.
 
 1. **Ingestion only** (one process, nothing consumes the batches): each variant runs ``--seconds`` under the
    same harness (windows of ``--window`` s; tuners change the pipeline between windows):
@@ -134,8 +134,8 @@ def parse_speed(path: Path, lines: int = 50_000) -> None:
 
 
 def run_variant(source, tuner, args, seconds=None) -> tuple[dict, object]:
-    from lightning_dlrover.data.pipeline import PipelinedLoader
-    from lightning_dlrover.pipeline import run_ingestion
+    from lightning_dlrover.data.staged import PipelinedLoader
+    from lightning_dlrover.pipeline_tuner import run_ingestion
 
     loader = PipelinedLoader(source, 0, 1, args.batch)
     trace = run_ingestion(loader, tuner, seconds or args.seconds, window_s=args.window)
@@ -145,11 +145,11 @@ def run_variant(source, tuner, args, seconds=None) -> tuple[dict, object]:
 
 def ingestion(args, paths) -> list[dict]:
     from lightning_dlrover.data import CriteoTSV
-    from lightning_dlrover.data.pipeline import PipelinedLoader
-    from lightning_dlrover.pipeline import (Budget, FixedTuner, GridSearchTuner, HillClimbTuner, RLTuner, default_grid,
-                                            run_ingestion)
-    from lightning_dlrover.pipeline.observe import available_cores
-    from lightning_dlrover.pipeline.report import plot, table
+    from lightning_dlrover.data.staged import PipelinedLoader
+    from lightning_dlrover.pipeline_tuner import (Budget, FixedTuner, GridSearchTuner, HillClimbTuner, RLTuner,
+                                                  default_grid, run_ingestion)
+    from lightning_dlrover.pipeline_tuner.observe import available_cores
+    from lightning_dlrover.pipeline_tuner.report import plot, table
 
     source = CriteoTSV(paths, SIZES)
     len(source)  # build the line index once, outside the timings
@@ -209,7 +209,7 @@ def train_worker(args) -> None:
     from lightning_dlrover import DLRoverStrategy, PipelineTuner, ThroughputMonitor
     from lightning_dlrover.data import DLRMDataModule
     from lightning_dlrover.models import DLRMModule
-    from lightning_dlrover.pipeline.observe import available_cores
+    from lightning_dlrover.pipeline_tuner.observe import available_cores
 
     warnings.filterwarnings("ignore")
     variant, devices = args.train_worker, args.devices
@@ -247,7 +247,7 @@ def train_worker(args) -> None:
 def training(args) -> list[dict]:
     import statistics
 
-    from lightning_dlrover.pipeline.report import table
+    from lightning_dlrover.pipeline_tuner.report import table
 
     results = []
     for devices in args.train_devices:

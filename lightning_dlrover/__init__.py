@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from lightning_dlrover.elastic.scaler import ElasticBatchScaler
     from lightning_dlrover.fault import FaultInjector, ParityConfig, elastic_trainer_args
     from lightning_dlrover.monitor import StateDigest, ThroughputMonitor
-    from lightning_dlrover.pipeline import PipelineTuner
+    from lightning_dlrover.pipeline_tuner import PipelineTuner
     from lightning_dlrover.strategy import DLRoverStrategy, TableConstraint
 
 register_when_lightning_loads()
@@ -24,7 +24,7 @@ __getattr__, __dir__ = exports(__name__, {
     "DLRoverStrategy": "lightning_dlrover.strategy",
     "FaultInjector": "lightning_dlrover.fault",
     "ParityConfig": "lightning_dlrover.fault",
-    "PipelineTuner": "lightning_dlrover.pipeline",
+    "PipelineTuner": "lightning_dlrover.pipeline_tuner",
     "ResourceAdvisor": "lightning_dlrover.advisor",
     "StateDigest": "lightning_dlrover.monitor",
     "TableConstraint": "lightning_dlrover.strategy",

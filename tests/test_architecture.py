@@ -30,7 +30,9 @@ SIDEWAYS = {
     ("advisor", "pipeline_tuner"),  # the advisor hands the tuner its CPU budget
     ("advisor", "elastic"),  # ... and the scaler its batch
     ("cli", "strategy"),
-    ("__init__", "strategy"), ("__init__", "cli"), ("_registration", "strategy"), ("__main__", "cli"),
+    ("__init__", "strategy"), ("__init__", "cli"), ("__init__", "_registration"), ("_registration", "strategy"),
+    ("__main__", "cli"),
+    ("lightning_glue", "torchrec_glue"),  # the DDP inside TorchRec's DistributedModelParallel
 }
 SIDEWAYS |= {(a, b) for a in LAYERS for b in LAYERS if LAYERS[a] == 0 and LAYERS[b] == 0 and b in ("_lazy", "log", "worker_env")}
 

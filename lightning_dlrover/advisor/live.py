@@ -4,9 +4,9 @@ Who changes what (:func:`live_controls` finds them among the trainer's callbacks
 
 - threads per rank: ``torch.set_num_threads`` (nothing else owns them);
 - data workers per rank: a callback implementing :class:`~lightning_dlrover.advisor.control.DataWorkersControl`;
-  else the :class:`~lightning_dlrover.pipeline.PipelineTuner`, handed a CPU budget of that many workers per rank
+  else the :class:`~lightning_dlrover.pipeline_tuner.PipelineTuner`, handed a CPU budget of that many workers per rank
   (it goes on tuning the stages within it, so the two do not fight); else a
-  :class:`~lightning_dlrover.data.pipeline.PipelinedLoader`, reconfigured to that many workers in all;
+  :class:`~lightning_dlrover.data.staged.PipelinedLoader`, reconfigured to that many workers in all;
 - per-rank batch: a callback implementing :class:`~lightning_dlrover.advisor.control.BatchSizeControl`, such as the
   :class:`~lightning_dlrover.ElasticBatchScaler` (its nearest global batch in range; learning rates follow its rule).
 
@@ -30,7 +30,7 @@ _GROW_ORDER = ("parse", "transform", "read", "assemble")
 
 
 def with_workers(config: Any, workers: int) -> Any:
-    """``config`` (a :class:`~lightning_dlrover.data.pipeline.PipelineConfig`) with ``workers`` workers in all
+    """``config`` (a :class:`~lightning_dlrover.data.staged.PipelineConfig`) with ``workers`` workers in all
     stages together: removed from the in-process stages first, added to parse and transform first."""
     if workers < 0:
         raise ValueError(f"with_workers(workers={workers}): give 0 or more workers.")
@@ -93,7 +93,7 @@ def live_controls(trainer: Any) -> list[Any]:
     ``PipelinedLoader``."""
     callbacks = list(trainer.callbacks)
     out = [c for c in callbacks if isinstance(c, (control.DataWorkersControl, control.BatchSizeControl))]
-    from lightning_dlrover.pipeline.callback import PipelineTuner, find_pipelined_loader
+    from lightning_dlrover.pipeline_tuner.callback import PipelineTuner, find_pipelined_loader
 
     try:
         loader = find_pipelined_loader(trainer)

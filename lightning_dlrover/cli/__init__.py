@@ -19,7 +19,7 @@ def main(args: list[str] | None = None) -> None:
 
         sys.exit(launch(args[1:]))
     if args[:1] == ["gen-criteo"]:
-        from lightning_dlrover.data.generate import main as gen_criteo
+        from lightning_dlrover.cli.gen_criteo import main as gen_criteo
 
         sys.exit(gen_criteo(args[1:]))
     if args[:1] == ["advise"]:

@@ -6,12 +6,13 @@ from typing import TYPE_CHECKING
 from lightning_dlrover._lazy import exports
 
 if TYPE_CHECKING:
-    from lightning_dlrover.data.datamodule import DLRMDataModule, ResumableLoader
+    from lightning_dlrover.data.datamodule import DLRMDataModule
+    from lightning_dlrover.data.loader import ResumableLoader
     from lightning_dlrover.data.sources import CriteoTSV, SampleSource, SyntheticCriteo, make_batch
 
 __getattr__, __dir__ = exports(__name__, {
     "DLRMDataModule": "lightning_dlrover.data.datamodule",
-    "ResumableLoader": "lightning_dlrover.data.datamodule",
+    "ResumableLoader": "lightning_dlrover.data.loader",
     "CriteoTSV": "lightning_dlrover.data.sources",
     "SampleSource": "lightning_dlrover.data.sources",
     "SyntheticCriteo": "lightning_dlrover.data.sources",

@@ -11,14 +11,13 @@ Each line is ``label \\t I1..I13 \\t C1..C26``, as in the Criteo Kaggle/Terabyte
   Criteo's per-column share of missing fields.
 
 Lines are produced by vectorised numpy formatting (no per-field Python), so a few hundred MB take seconds.
-Output is a function of ``(seed, file index, row)`` only.
+Output is a function of ``(seed, file index, row)`` only. The command line is :mod:`lightning_dlrover.cli.gen_criteo`:
 
     python -m lightning_dlrover gen-criteo --out data/criteo --files 2 --size-mb 200
 """
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +37,7 @@ SPARSE_MISSING = (0.0, 0.0, 0.03, 0.03, 0.0, 0.12, 0.0, 0.0, 0.0, 0.0, 0.0, 0.03
                   0.44, 0.44, 0.03, 0.76, 0.0, 0.03, 0.44, 0.44)
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _ROWS_PER_CHUNK = 65536
-_BYTES_PER_ROW_ESTIMATE = 190
+BYTES_PER_ROW_ESTIMATE = 190  # what `gen-criteo --size-mb` divides by
 
 
 @dataclass(frozen=True)
@@ -162,31 +161,3 @@ def generate_days(out_dir: str | Path, files: int, rows_per_file: int, config: G
     for i, path in enumerate(paths):
         write_day_file(path, rows_per_file, config, file_index=i)
     return paths
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lightning-dlrover gen-criteo``: writes Criteo-format day files."""
-    parser = argparse.ArgumentParser(prog="lightning-dlrover gen-criteo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory of the day files (created)")
-    parser.add_argument("--files", type=int, default=1, help="number of day files")
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--rows", type=int, default=None, help="lines per file")
-    size.add_argument("--size-mb", type=float, default=None, help="approximate size per file in MB (default 100)")
-    parser.add_argument("--max-vocab", type=int, default=GeneratorConfig.max_vocab)
-    parser.add_argument("--alpha", type=float, default=GeneratorConfig.alpha, help="id popularity power law")
-    parser.add_argument("--ctr", type=float, default=GeneratorConfig.ctr)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    rows = args.rows or max(1, int((args.size_mb or 100.0) * 1e6 / _BYTES_PER_ROW_ESTIMATE))
-    try:
-        config = GeneratorConfig(args.max_vocab, args.alpha, args.ctr, args.seed)
-    except ValueError as err:
-        parser.error(str(err))
-    paths = generate_days(args.out, args.files, rows, config)
-    total = sum(p.stat().st_size for p in paths)
-    print(f"wrote {len(paths)} file(s), {rows} lines each, {total / 1e6:.1f} MB: {', '.join(map(str, paths))}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,7 @@
-"""The per-job curves the simulator uses, measured from our DLRM on this machine, and the script that measures them.
+"""The per-job curves the simulator uses, measured from our DLRM on this machine, and the measurements behind them.
 
-``python -m lightning_dlrover.elastic.profile --out lightning_dlrover/elastic/dlrm_profile.json`` measures:
+``python -m lightning_dlrover.cli.profile --out lightning_dlrover/elastic/dlrm_profile.json`` (its command line
+is :mod:`lightning_dlrover.cli.profile`) measures:
 
 * ``step_s[b]``: median seconds of one training step (forward, backward, in-backward RowWiseAdagrad on the
   tables, Adagrad on the MLPs) of the DLRM at per-rank batch ``b``, one thread;
@@ -16,7 +17,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -105,9 +105,9 @@ def _batches(batch: int, count: int, seed: int, first: int = 0) -> Any:
     """Batches ``first..first+count`` of the synthetic stream of ``seed`` (one labelling function per seed)."""
     from lightning_dlrover.data.sources import SyntheticCriteo, make_batch
 
-    source = SyntheticCriteo(SIZES, batch, first + count, seed=seed)
+    source = SyntheticCriteo(SIZES, (first + count) * batch, seed=seed)
     for index in range(first, first + count):
-        yield make_batch(*source.global_batch(index))
+        yield make_batch(*source.rows(index * batch, (index + 1) * batch))
 
 
 def _step(model: Any, optimizer: Any, batch: Any) -> float:
@@ -210,34 +210,3 @@ def measure_convergence(batches: list[int], base_batch: int, budget: int, eval_e
         result[b] = float(statistics.median(ok)) if len(ok) == len(reached) else None
     meta = {"targets": targets, "curves": {f"{b}/{s}": c for (b, s), c in curves.items()}}
     return result, meta
-
-
-def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    parser = argparse.ArgumentParser(description="Measure the DLRM profile the simulator uses.")
-    parser.add_argument("--out", default=str(Path(__file__).with_name(DEFAULT_PROFILE)))
-    parser.add_argument("--step-batches", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
-    parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
-    parser.add_argument("--base-batch", type=int, default=128)
-    parser.add_argument("--budget", type=int, default=24576, help="samples the smallest batch trains for")
-    parser.add_argument("--eval-every", type=int, default=1024)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    started = time.time()
-    step_s = measure_step_times(args.step_batches)
-    allreduce_s = measure_allreduce()
-    samples, meta = measure_convergence(sorted(args.batches), args.base_batch, args.budget, args.eval_every, args.seeds)
-    meta.update(seconds=time.time() - started, command="python -m lightning_dlrover.elastic.profile",
-                lr_rule="sqrt", target="90% of the loss drop of the smallest batch in budget samples",
-                torch=torch.__version__, threads=1)
-    Path(args.out).write_text(json.dumps({"step_s": step_s, "allreduce_s": allreduce_s, "samples_to_target": samples,
-                                          "censored_at": 3 * args.budget, "base_batch": args.base_batch, "meta": meta},
-                                         indent=1))
-    print(json.dumps({"step_s": step_s, "allreduce_s": allreduce_s, "samples_to_target": samples}, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,7 +19,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -114,15 +113,6 @@ class DLRoverStrategy(DDPStrategy):
         self._dmp: DistributedModelParallel | None = None
         self._resume: dict[str, Any] | None = None  # restored by set-up, for Lightning to resume from
         self._started = self._snapshotting = False
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Registers ``"dlrover"`` so that ``Trainer(strategy="dlrover")`` works."""
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="TorchRec-sharded embeddings with DLRover fault tolerance"
-            )
 
     @property
     def fault_points(self) -> list:

@@ -10,7 +10,7 @@ import yaml
 
 from lightning_dlrover.advisor.live import LiveApplier, with_workers
 from lightning_dlrover.data.generate import GeneratorConfig, generate_days
-from lightning_dlrover.data.pipeline import PipelineConfig
+from lightning_dlrover.data.staged import PipelineConfig
 from lightning_dlrover.monitor import read_events
 from tests.conftest import REPO, digests, run
 

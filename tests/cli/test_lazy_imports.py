@@ -1,6 +1,7 @@
 """``import lightning_dlrover`` and the command lines' modules (``launch``, ``chaos``, ``advise``, ``simulate``,
-``gen-criteo``) load neither Lightning nor TorchRec, while ``Trainer(strategy="dlrover")`` works after a bare
-``import lightning_dlrover`` (Lightning imported after it or before it) and every export of the package resolves."""
+``gen-criteo``, the profile measurement) load neither Lightning nor TorchRec, while ``Trainer(strategy="dlrover")``
+works after a bare ``import lightning_dlrover`` (Lightning imported after it or before it) and every export of the
+package resolves."""
 
 import subprocess
 import sys
@@ -24,6 +25,7 @@ def test_launchers_load_neither_lightning_nor_torchrec_and_the_strategy_name_wor
             "import lightning_dlrover\n"
             "import lightning_dlrover.cli.launch, lightning_dlrover.cli.chaos, lightning_dlrover.cli.chaos_report\n"
             "import lightning_dlrover.cli.advise, lightning_dlrover.cli.simulate, lightning_dlrover.data.generate\n"
+            "import lightning_dlrover.cli.gen_criteo, lightning_dlrover.cli.profile\n"
             "from lightning_dlrover.fault.inplace import membership\n"
             "from lightning_dlrover.cli.launch import parse\n"
             "parse(['--nproc-per-node', '2', '--', 'train.py'])\n"

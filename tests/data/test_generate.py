@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from lightning_dlrover.data.generate import GeneratorConfig, generate_rows, main
+from lightning_dlrover.cli.gen_criteo import main
+from lightning_dlrover.data.generate import GeneratorConfig, generate_rows
 from lightning_dlrover.data.tsv_parse import parse_block
 
 

@@ -83,7 +83,9 @@ def test_trace_file_cluster_actions_and_cli(tmp_path):
 
 def test_shipped_profile_is_a_measurement():
     profile = Profile.load()
-    assert profile.meta["command"].startswith("python -m lightning_dlrover.elastic.profile")
+    # measured by the profile command line (lightning_dlrover.elastic.profile before it moved into cli/)
+    assert profile.meta["command"].startswith(("python -m lightning_dlrover.cli.profile",
+                                               "python -m lightning_dlrover.elastic.profile"))
     for key, curve in profile.meta["curves"].items():  # the samples-to-target entries follow from the curves
         batch, seed = map(int, key.split("/"))
         target = profile.meta["targets"][str(seed)]

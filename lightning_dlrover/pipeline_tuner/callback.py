@@ -19,14 +19,14 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_dlrover.data.pipeline import PipelineConfig, PipelinedLoader
+from lightning_dlrover.data.staged import PipelineConfig, PipelinedLoader
 from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import emit
-from lightning_dlrover.pipeline.agent import Decision, RLTuner, shrink
-from lightning_dlrover.pipeline.baselines import FixedTuner, HillClimbTuner
-from lightning_dlrover.pipeline.harness import Trace, TunerDriver
-from lightning_dlrover.pipeline.observe import Budget, MemoryGuard
-from lightning_dlrover.pipeline.report import plot, summary
+from lightning_dlrover.pipeline_tuner.agent import Decision, RLTuner, shrink
+from lightning_dlrover.pipeline_tuner.baselines import FixedTuner, HillClimbTuner
+from lightning_dlrover.pipeline_tuner.harness import Trace, TunerDriver
+from lightning_dlrover.pipeline_tuner.observe import Budget, MemoryGuard
+from lightning_dlrover.pipeline_tuner.report import plot, summary
 
 log = get_logger(__name__)
 
@@ -43,11 +43,11 @@ def find_pipelined_loader(trainer: Trainer) -> PipelinedLoader:
                 return inner
     raise ValueError("PipelineTuner needs the training data to come from the TSV pipeline: set data.criteo_paths "
                      "and data.pipeline (e.g. `pipeline: {parse: 1}`) in the DLRMDataModule, or pass a "
-                     "lightning_dlrover.data.pipeline.PipelinedLoader as the train dataloader.")
+                     "lightning_dlrover.data.staged.PipelinedLoader as the train dataloader.")
 
 
 class PipelineTuner(Callback):
-    """Online tuning of the data pipeline (see the module docstring and ``lightning_dlrover.pipeline.agent``).
+    """Online tuning of the data pipeline (see the module docstring and ``lightning_dlrover.pipeline_tuner.agent``).
 
     Args:
         tuner: ``rl`` (the Q-learning agent), ``hill_climb`` (tf.data-AUTOTUNE-like) or ``fixed`` (keep ``start``).

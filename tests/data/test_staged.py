@@ -9,7 +9,7 @@ import torch
 
 from lightning_dlrover.data import CriteoTSV, ResumableLoader
 from lightning_dlrover.data.generate import GeneratorConfig, generate_days
-from lightning_dlrover.data.pipeline import INLINE, PipelineConfig, PipelinedLoader
+from lightning_dlrover.data.staged import INLINE, PipelineConfig, PipelinedLoader
 from lightning_dlrover.data.tsv_parse import MalformedLine
 
 SIZES = [1000 + 17 * i for i in range(26)]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from lightning_dlrover.data.pipeline import DEFAULT_METHODS, STAGES, PipelineConfig, PipelinedLoader, PipelineStats
+from lightning_dlrover.data.staged import DEFAULT_METHODS, STAGES, PipelineConfig, PipelinedLoader, PipelineStats
 
 #: Memory of one stage worker process assumed before any has been measured.
 PRIOR_WORKER_BYTES = 96 << 20

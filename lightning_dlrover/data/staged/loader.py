@@ -14,9 +14,9 @@ Each stage is a ``ParallelMapper`` with its own worker count (0: run inline in t
 processes for parse and transform (the GIL would serialise them), threads for read and assemble. Queues are
 bounded (each stage holds at most ``2 x workers`` items in flight; the prefetcher ``prefetch`` batches).
 
-The configuration is in :mod:`~lightning_dlrover.data.pipeline_config`, the node graph (stages, build, shutdown) in
-:mod:`~lightning_dlrover.data.pipeline_graph`; this module is the loader over it. Their public names are importable
-from here too.
+The configuration is in :mod:`~lightning_dlrover.data.staged.config`, the node graph (stages, build, shutdown) in
+:mod:`~lightning_dlrover.data.staged.graph`; this module is the loader over it. Their public names are importable
+from :mod:`lightning_dlrover.data.staged`. (The pipeline's tuner is :mod:`lightning_dlrover.pipeline_tuner`.)
 """
 
 from __future__ import annotations
@@ -31,25 +31,13 @@ from typing import Any
 from torchdata.nodes import BaseNode
 from torchrec.datasets.utils import Batch
 
-from lightning_dlrover.data.datamodule import ResumableLoader
-from lightning_dlrover.data.pipeline_config import DEFAULT_METHODS, INLINE, STAGES, Method, PipelineConfig
-from lightning_dlrover.data.pipeline_graph import Delivered, build_graph, shutdown_nodes, worker_processes
+from lightning_dlrover.data.loader import ResumableLoader
+from lightning_dlrover.data.staged.config import STAGES, Method, PipelineConfig
+from lightning_dlrover.data.staged.graph import Delivered, build_graph, shutdown_nodes, worker_processes
 from lightning_dlrover.data.sources import CriteoTSV, rank_slice
 from lightning_dlrover.data.tsv_parse import MalformedLine, OnError, UserTransform
 
-__all__ = [
-    "DEFAULT_METHODS",
-    "INLINE",
-    "STAGES",
-    "Delivered",
-    "Method",
-    "PipelineConfig",
-    "PipelineStats",
-    "PipelinedLoader",
-    "build_graph",
-    "pipelined_loader",
-    "shutdown_nodes",
-]
+__all__ = ["PipelineStats", "PipelinedLoader", "pipelined_loader"]
 
 
 @dataclass

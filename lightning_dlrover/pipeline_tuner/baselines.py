@@ -18,9 +18,9 @@ from collections.abc import Iterable
 
 import psutil
 
-from lightning_dlrover.data.pipeline import STAGES, PipelineConfig
-from lightning_dlrover.pipeline.agent import Decision
-from lightning_dlrover.pipeline.observe import Budget, MemoryGuard, Observation, available_cores
+from lightning_dlrover.data.staged import STAGES, PipelineConfig
+from lightning_dlrover.pipeline_tuner.agent import Decision
+from lightning_dlrover.pipeline_tuner.observe import Budget, MemoryGuard, Observation, available_cores
 
 
 class FixedTuner:

@@ -5,10 +5,10 @@ import itertools
 
 import pytest
 
-from lightning_dlrover.data.pipeline import STAGES, PipelineConfig
-from lightning_dlrover.pipeline import Budget, GridSearchTuner, HillClimbTuner, Observation, RLTuner
-from lightning_dlrover.pipeline.agent import apply_action, shrink
-from lightning_dlrover.pipeline.observe import MemoryGuard
+from lightning_dlrover.data.staged import STAGES, PipelineConfig
+from lightning_dlrover.pipeline_tuner import Budget, GridSearchTuner, HillClimbTuner, Observation, RLTuner
+from lightning_dlrover.pipeline_tuner.agent import apply_action, shrink
+from lightning_dlrover.pipeline_tuner.observe import MemoryGuard
 
 COST = {"read": 0.5e-6, "parse": 12e-6, "transform": 4e-6, "assemble": 1e-6}  # seconds per sample per worker
 WORKER_BYTES, BATCH_BYTES = 60 << 20, 1 << 20

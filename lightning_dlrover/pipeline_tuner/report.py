@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_dlrover.data.pipeline import STAGES
-from lightning_dlrover.pipeline.harness import Trace
+from lightning_dlrover.data.staged import STAGES
+from lightning_dlrover.pipeline_tuner.harness import Trace
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

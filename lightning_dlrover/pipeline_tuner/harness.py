@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_dlrover.data.pipeline import PipelineConfig, PipelinedLoader
-from lightning_dlrover.pipeline.agent import Decision
-from lightning_dlrover.pipeline.observe import Sampler
+from lightning_dlrover.data.staged import PipelineConfig, PipelinedLoader
+from lightning_dlrover.pipeline_tuner.agent import Decision
+from lightning_dlrover.pipeline_tuner.observe import Sampler
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class TunerDriver:
 
     Args:
         loader: the pipelined loader the consumer iterates.
-        tuner: an :class:`~lightning_dlrover.pipeline.agent.RLTuner` or a baseline.
+        tuner: an :class:`~lightning_dlrover.pipeline_tuner.agent.RLTuner` or a baseline.
         window_s, min_batches: a window closes after both.
         settle_batches: batches after a change left out of the next window.
         on_decision: called with every :class:`Decision` (for events and logs).

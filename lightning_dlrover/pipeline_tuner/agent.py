@@ -31,8 +31,8 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass
 
-from lightning_dlrover.data.pipeline import STAGES, PipelineConfig
-from lightning_dlrover.pipeline.observe import Budget, MemoryGuard, Observation
+from lightning_dlrover.data.staged import STAGES, PipelineConfig
+from lightning_dlrover.pipeline_tuner.observe import Budget, MemoryGuard, Observation
 
 Action = tuple  # ("add", s) | ("remove", s) | ("move", src, dst) | ("prefetch", +1 | -1) | ("stay",)
 

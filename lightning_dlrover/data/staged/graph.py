@@ -1,4 +1,4 @@
-"""The ``torchdata.nodes`` graph of the data pipeline (see :mod:`lightning_dlrover.data.pipeline`): the work items
+"""The ``torchdata.nodes`` graph of the data pipeline (see :mod:`lightning_dlrover.data.staged`): the work items
 that flow through it, each stage's function, how the graph is built and how its threads and processes are stopped.
 """
 
@@ -18,7 +18,7 @@ import torch
 from torchdata.nodes import BaseNode, ParallelMapper, Prefetcher
 from torchrec.datasets.utils import Batch
 
-from lightning_dlrover.data.pipeline_config import DEFAULT_METHODS, STAGES, Method, PipelineConfig
+from lightning_dlrover.data.staged.config import DEFAULT_METHODS, STAGES, Method, PipelineConfig
 from lightning_dlrover.data.sources import CriteoTSV, make_batch, rank_slice
 from lightning_dlrover.data.tsv_parse import MalformedLine, OnError, RawRows, UserTransform, parse_block, transform
 
