@@ -17,6 +17,11 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = REPO / "tests" / "scripts" / "train.py"
 DIGEST = re.compile(r"^state digest(?: at step (\d+))?: ([0-9a-f]{64})$", re.MULTILINE)
 
+# Every job of the suite runs with the control plane (lightning_dlrover.control_plane) in a gloo group of its own,
+# apart from the default group, as on GPUs where the default group is NCCL: a collective of ours left on the default
+# group, or one issued on different groups by different ranks, fails the job instead of passing unnoticed.
+os.environ.setdefault("LIGHTNING_DLROVER_CONTROL_GROUP", "separate")
+
 
 def start(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Starts ``command`` in ``cwd`` in a new session (so ``os.killpg(proc.pid, ...)`` ends all of it), the

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dlrover"
 #: that :data:`SIDEWAYS` allows.
 LAYERS = {
     # bottom: knows nothing of Lightning's trainer loop or of fault tolerance
-    "_lazy": 0, "worker_env": 0, "log": 0, "torchrec_glue": 0, "lightning_glue": 0,
+    "_lazy": 0, "worker_env": 0, "control_plane": 0, "log": 0, "torchrec_glue": 0, "lightning_glue": 0,
     "parity": 0, "checkpoint": 0, "data": 0, "models": 0, "monitor": 0,
     # middle: fault tolerance and the tuning add-ons
     "fault": 1, "elastic": 1, "pipeline_tuner": 1, "advisor": 1,
@@ -34,7 +34,7 @@ SIDEWAYS = {
     ("__main__", "cli"),
     ("lightning_glue", "torchrec_glue"),  # the DDP inside TorchRec's DistributedModelParallel
 }
-SIDEWAYS |= {(a, b) for a in LAYERS for b in LAYERS if LAYERS[a] == 0 and LAYERS[b] == 0 and b in ("_lazy", "log", "worker_env")}
+SIDEWAYS |= {(a, b) for a in LAYERS for b in LAYERS if LAYERS[a] == 0 and LAYERS[b] == 0 and b in ("_lazy", "log", "worker_env", "control_plane")}
 
 #: Framework internals and the one module allowed to name them.
 PRIVATES = {
@@ -109,3 +109,23 @@ def test_framework_privates_live_in_their_adapter(owner):
 def test_no_module_is_over_the_size_a_reader_takes_in():
     long = {str(p.relative_to(PACKAGE)): n for p in _modules() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split by concern): {long}"
+
+
+COLLECTIVES = {"all_gather", "all_gather_object", "all_reduce", "broadcast", "broadcast_object_list", "all_to_all",
+               "all_to_all_single", "barrier", "gather", "gather_object", "scatter", "scatter_object_list", "send",
+               "recv", "isend", "irecv", "P2POp", "reduce", "reduce_scatter", "all_gather_into_tensor",
+               "reduce_scatter_tensor", "monitored_barrier"}
+
+
+def test_every_collective_names_its_plane():
+    """A collective of ours names its group: ``control_plane.group()`` for CPU tensors and objects (gloo), or the
+    default group by name (``dist.group.WORLD``) for the data plane. On GPUs the default group is NCCL, which fails on
+    CPU tensors: a collective left to the default group by omission is a crash there."""
+    unnamed: dict[str, list[int]] = defaultdict(list)
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"
+                    and not any(k.arg == "group" for k in node.keywords)):
+                unnamed[str(path.relative_to(PACKAGE))].append(node.lineno)
+    assert not unnamed, f"collectives without group= (see lightning_dlrover/control_plane.py): {dict(unnamed)}"

@@ -3,16 +3,16 @@ and the measured per-table load behind hot ranks and the re-plan advice."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-import os
-import time
-
 import psutil
 import torch.distributed as dist
 
+from lightning_dlrover import control_plane
 from lightning_dlrover.advisor.detectors import OOMForecaster, RankWindow, StragglerDetector, hot_ranks
 from lightning_dlrover.advisor.replan import LookupCounter, ReplanAdvice, rank_loads, replan
 from lightning_dlrover.advisor.signature import TableSpec
@@ -26,7 +26,7 @@ def gather(world_size: int, value: Any) -> list[Any]:
     if world_size == 1 or not dist.is_initialized():
         return [value]
     out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=control_plane.group())
     return out
 
 
@@ -35,7 +35,7 @@ def broadcast(world_size: int, value: Any) -> Any:
     if world_size == 1 or not dist.is_initialized():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=control_plane.group())
     return box[0]
 
 

@@ -8,6 +8,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from lightning_dlrover import control_plane
+
 
 def flatten(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """Yields ``(path, leaf)`` for every leaf of nested dicts and lists, paths joined with ``/``."""
@@ -35,7 +37,7 @@ def complete_sharded_state(state: dict[str, dict[str, Any]]) -> dict[str, dict[s
         if isinstance(value, ShardedTensor)
     }
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, local)
+    dist.all_gather_object(gathered, local, group=control_plane.group())
     complete = {outer: dict(entries) for outer, entries in state.items()}
     for metadata_by_key in gathered:
         for (outer, inner), metadata in metadata_by_key.items():

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from lightning_dlrover import control_plane
 
 
 @dataclass
@@ -74,7 +75,7 @@ def _noise_hook(state, bucket):  # no annotations: DDP checks them against its o
     buffer = bucket.buffer()
     state.local_sqr += float(buffer.pow(2).sum())
     buffer.div_(state.world_size)
-    future = dist.all_reduce(buffer, async_op=True).get_future()
+    future = dist.all_reduce(buffer, group=dist.group.WORLD, async_op=True).get_future()  # data plane: the bucket's device
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
         out = fut.value()[0]
@@ -106,7 +107,7 @@ class GradientNoiseProbe:
         state, world = self._state, self._state.world_size
         if world > 1 and state.global_sqr > 0:
             local = torch.tensor([state.local_sqr], dtype=torch.float64)
-            dist.all_reduce(local)
+            dist.all_reduce(local, group=control_plane.group())
             self.estimator.update(float(local) / world, state.global_sqr, local_batch, local_batch * world)
         state.local_sqr = state.global_sqr = 0.0
         return self.estimator.noise_scale

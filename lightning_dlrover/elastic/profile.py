@@ -143,7 +143,7 @@ def _allreduce_worker(rank: int, path: str, numel: int, out: Any) -> None:
     tensor, times = torch.randn(numel), []
     for i in range(33):
         start = time.perf_counter()
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=dist.group.WORLD)  # the data plane's all-reduce is what is measured
         if i >= 3:
             times.append(time.perf_counter() - start)
     if rank == 0:

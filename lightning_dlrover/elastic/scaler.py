@@ -32,9 +32,21 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_dlrover import control_plane
 from lightning_dlrover import lightning_glue as glue
-from lightning_dlrover.elastic.batch import (LR_RULES, POLICIES, BatchDecision, BatchRange, LRRule, Policy, _nearest,
-                                             decide, learning_rates, lr_factor, scale_learning_rates)
+from lightning_dlrover.elastic.batch import (
+    LR_RULES,
+    POLICIES,
+    BatchDecision,
+    BatchRange,
+    LRRule,
+    Policy,
+    _nearest,
+    decide,
+    learning_rates,
+    lr_factor,
+    scale_learning_rates,
+)
 from lightning_dlrover.elastic.goodput import GoodputModel, GradientNoiseProbe, NoiseScaleEstimator
 from lightning_dlrover.monitor.events import emit
 from lightning_dlrover.torchrec_glue import set_fused_learning_rate
@@ -288,6 +300,6 @@ class ElasticBatchScaler(Callback):
         """Rank 0's decision on every rank (step times, hence predictions, differ between ranks)."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             box = [decision]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=control_plane.group())
             return box[0]
         return decision

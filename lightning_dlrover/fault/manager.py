@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from lightning_dlrover import control_plane
 from lightning_dlrover.fault import rank_state
 from lightning_dlrover.fault.coding.coded_embeddings import CodedEmbeddings
 from lightning_dlrover.fault.coding.coded_state import CodedState
@@ -128,7 +129,7 @@ class FaultManager(CommitProtocol):
             return None
         state = CodedState(host.model, self.parity.k) if self.parity is not None else None
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(host.world_size)]
-        dist.all_gather(lengths, torch.tensor([self._rank_state_len]))
+        dist.all_gather(lengths, torch.tensor([self._rank_state_len]), group=control_plane.group())
         self._rank_state_len = int(max(lengths))
         report, reason = None, None
         if under_torchrun():
@@ -292,12 +293,12 @@ class FaultManager(CommitProtocol):
             placement = ParityPlacement(host.world_size, self.parity.k, self.parity.r, host.num_processes)
             self.coded = CodedEmbeddings(CodedState(host.model, self.parity.k), placement, encode=False)
         longest = torch.tensor([self._rank_state_len], dtype=torch.int64)
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=control_plane.group())
         self._rank_state_len = int(longest)
         committed: list[Any] = [None, None, None]
         if host.global_rank == source:
             committed = [self.committed_step, self._committed_meta(host), self._rank_states]
-        dist.broadcast_object_list(committed, src=source)
+        dist.broadcast_object_list(committed, src=source, group=control_plane.group())
         step, meta, rank_states = committed
         if decide_here:  # with the step's trainer and rank states in hand, so a spill from here on is whole
             assert self._dense is not None

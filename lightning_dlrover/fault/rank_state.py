@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dlrover import control_plane
+
 _HEADER = 8  # int64 words: len(torch cpu), np pos, np has_gauss, py version, py has_gauss, n cuda, len(cuda), np keys
 
 
@@ -95,7 +97,7 @@ def gather_ranks(buffers: list[Tensor]) -> Tensor:
     """Every rank's :func:`capture_rank`, ``[world, n]`` (a collective: two all-gathers)."""
     state, world = capture_rank(buffers), dist.get_world_size()
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(lengths, torch.tensor([state.numel()]))
+    dist.all_gather(lengths, torch.tensor([state.numel()]), group=control_plane.group())
     states = [torch.empty(int(max(lengths)), dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(states, pad(state, states[0].numel()))
+    dist.all_gather(states, pad(state, states[0].numel()), group=control_plane.group())
     return torch.stack(states)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from lightning_dlrover import control_plane
 from lightning_dlrover.checkpoint.sharded import flatten
 from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor.events import emit
@@ -60,7 +61,7 @@ def _sharded_blocks(
             block[target] = shard.tensor[lo - offsets[0] : hi - offsets[0]].to("cpu")
         # Shards do not overlap: each byte has one non-zero contributor, so a byte-wise sum is exact.
         if distributed:
-            dist.reduce(block.view(torch.uint8), dst=0, op=dist.ReduceOp.SUM)
+            dist.reduce(block.view(torch.uint8), dst=0, op=dist.ReduceOp.SUM, group=control_plane.group())
         yield block
 
 
@@ -76,7 +77,7 @@ def state_digest(state: Mapping[str, Any]) -> str:
         described = [{name: _describe(leaf) for name, leaf in leaves.items()}]
     else:
         described = [None] * dist.get_world_size()
-        dist.all_gather_object(described, {name: _describe(leaf) for name, leaf in leaves.items()})
+        dist.all_gather_object(described, {name: _describe(leaf) for name, leaf in leaves.items()}, group=control_plane.group())
     rank = dist.get_rank() if distributed else 0
     digest = hashlib.sha256()
     for name in sorted(set().union(*described)):
@@ -92,7 +93,7 @@ def state_digest(state: Mapping[str, Any]) -> str:
         owner = owners[0]
         if distributed and owner != 0:
             payload = [leaves.get(name)]
-            dist.broadcast_object_list(payload, src=owner)
+            dist.broadcast_object_list(payload, src=owner, group=control_plane.group())
             tensor = payload[0]
         else:
             tensor = leaves.get(name)
@@ -101,7 +102,7 @@ def state_digest(state: Mapping[str, Any]) -> str:
             digest.update(_tensor_bytes(tensor))
     result = [digest.hexdigest()]
     if distributed:
-        dist.broadcast_object_list(result, src=0)
+        dist.broadcast_object_list(result, src=0, group=control_plane.group())
     return result[0]
 
 

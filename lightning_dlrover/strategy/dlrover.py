@@ -30,6 +30,7 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.optim.keyed import KeyedOptimizer
 from typing_extensions import override
 
+from lightning_dlrover import control_plane
 from lightning_dlrover import lightning_glue as glue
 from lightning_dlrover.checkpoint import directory, get_backend, job
 from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig
@@ -149,6 +150,7 @@ class DLRoverStrategy(DDPStrategy):
             if self.local_rank == 0:
                 log.info(f"lightning_dlrover: node {before} takes back node rank {self.node_rank}, the one its "
                          "spills were written under")
+        control_plane.init()  # the gloo group of our CPU collectives (see lightning_dlrover.control_plane)
         process_exit.install()
 
     @property

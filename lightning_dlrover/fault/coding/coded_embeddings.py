@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dlrover import control_plane
 from lightning_dlrover.fault.coding.coded_state import INT_OF_SIZE, CodedState
 from lightning_dlrover.fault.coding.decode import Combination, Term, combine, decode_combinations, layout_spans
 from lightning_dlrover.fault.coding.messages import Mailbox, align
@@ -125,7 +126,7 @@ class CodedEmbeddings:
         held = self.parity.clone()
         self.encode()
         same = torch.tensor([int(torch.equal(held, self.parity))])
-        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        dist.all_reduce(same, op=dist.ReduceOp.MIN, group=control_plane.group())
         return bool(same)
 
     def post_deltas(self) -> None:
@@ -199,7 +200,7 @@ class CodedEmbeddings:
         every rank only after :meth:`finish_deltas`. Once it returns on any rank, every rank had folded in its
         deltas, so the step is decided for all, including a rank whose own all-gather broke before it returned."""
         ballots = [torch.empty_like(ballot) for _ in range(self.placement.world_size)]
-        dist.all_gather(ballots, ballot)
+        dist.all_gather(ballots, ballot, group=control_plane.group())
         return ballots
 
     def decide(self, step: int) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from lightning_dlrover import control_plane
 from lightning_dlrover.checkpoint.sharded import flatten
 from lightning_dlrover.fault.coding.undo_log import UndoLog
 from lightning_dlrover.parity import as_bytes
@@ -157,7 +158,7 @@ class CodedState:
         """Gathers every rank's segment specs and agrees on the chunk length (collective; a rank joining a running
         job builds its state while the others call this again)."""
         layouts: list[list[SegmentSpec]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(layouts, self.specs)
+        dist.all_gather_object(layouts, self.specs, group=control_plane.group())
         chunk_len = self._agree_chunk_len(layouts)
         # Set only once agreed: a rank whose recovery breaks in here still spills its last complete layout.
         #: Every rank's segment specs, by rank (a recovery needs the layout of lost ranks).
@@ -190,7 +191,7 @@ class CodedState:
         while (pieces := chunk_layout(self.specs, chunk_len)) and pieces[-1].chunk >= self.k:
             chunk_len += step  # row alignment and chunk ends leave padding
         agreed = torch.tensor([chunk_len], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=control_plane.group())
         return int(agreed)
 
     def read_chunk(self, chunk: int, out: Tensor | None = None) -> Tensor:

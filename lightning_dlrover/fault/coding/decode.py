@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dlrover import control_plane
 from lightning_dlrover.fault.coding.coded_state import SegmentSpec, chunk_layout
 from lightning_dlrover.fault.coding.placement import ParityPlacement
 from lightning_dlrover.parity import ReedSolomonCode
@@ -139,6 +140,7 @@ def combine(combinations: Sequence[Combination], me: int | None = None, block: i
     ``scratch``: optional uint8 ``[SLOTS * terms, block]`` buffer to stream through (allocated when absent).
     """
     me = dist.get_rank() if me is None else me
+    control = control_plane.group()
     tags: dict[tuple[int, int], int] = defaultdict(int)
     sends, direct, streamed = [], [], []  # streamed: (combination, term, lo, hi, tag)
     for combo in combinations:
@@ -161,7 +163,7 @@ def combine(combinations: Sequence[Combination], me: int | None = None, block: i
             held[id(term)] = term.regions()
         return view_of(held[id(term)], lo, hi)
 
-    works = [dist.isend(source(term, lo, hi), dst, tag=tag) for term, dst, lo, hi, tag in sends]
+    works = [dist.isend(source(term, lo, hi), dst, group=control, tag=tag) for term, dst, lo, hi, tag in sends]
     received = 0
     regions_of = {id(c): c.regions() for c in combinations if c.receiver == me}
     pending_direct: dict[int, list] = defaultdict(list)
@@ -176,7 +178,7 @@ def combine(combinations: Sequence[Combination], me: int | None = None, block: i
         if term.holder == me:
             out.copy_(source(term, lo, hi))
         else:
-            pending_direct[id(combo)].append(dist.irecv(out, term.holder, tag=tag))
+            pending_direct[id(combo)].append(dist.irecv(out, term.holder, group=control, tag=tag))
             received += hi - lo
     remote = [item for item in streamed if item[1].holder != me]
     slots = SLOTS if remote else 0
@@ -189,7 +191,7 @@ def combine(combinations: Sequence[Combination], me: int | None = None, block: i
     def post(n: int) -> None:
         if n < len(remote):
             _, term, lo, hi, tag = remote[n]
-            posted[n] = dist.irecv(scratch[n % slots, : hi - lo], term.holder, tag=tag)
+            posted[n] = dist.irecv(scratch[n % slots, : hi - lo], term.holder, group=control, tag=tag)
 
     for n in range(min(slots, len(remote))):
         post(n)

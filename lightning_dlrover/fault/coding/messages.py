@@ -10,19 +10,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dlrover import control_plane
 from lightning_dlrover.parity import as_bytes
 
 
 def exchange(sends: dict[int, Tensor], dtype: torch.dtype = torch.uint8) -> dict[int, Tensor]:
     """Point-to-point exchange of 1-D tensors: ``sends[dst]`` goes to ``dst``; returns what each rank sent here
     (a collective: one all-to-all of sizes, then the transfers)."""
-    world, me = dist.get_world_size(), dist.get_rank()
+    world, me, control = dist.get_world_size(), dist.get_rank(), control_plane.group()
     counts = torch.tensor([sends[d].numel() if d in sends else 0 for d in range(world)], dtype=torch.int64)
     incoming = torch.empty_like(counts)
-    dist.all_to_all_single(incoming, counts)
+    dist.all_to_all_single(incoming, counts, group=control)
     received = {src: torch.empty(int(n), dtype=dtype) for src, n in enumerate(incoming.tolist()) if n and src != me}
-    ops = [dist.P2POp(dist.isend, t.contiguous(), d) for d, t in sends.items() if t.numel() and d != me]
-    ops += [dist.P2POp(dist.irecv, t, src) for src, t in received.items()]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), d, group=control) for d, t in sends.items() if t.numel() and d != me]
+    ops += [dist.P2POp(dist.irecv, t, src, group=control) for src, t in received.items()]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -88,13 +89,14 @@ class Mailbox:
         must not change until then."""
         if self._posted is not None:
             raise RuntimeError("Mailbox.post: the previous exchange was not collected.")
-        receives = [(src, box, dist.irecv(box, src, tag=0)) for src, box in self._inbox.items()]
+        control = control_plane.group()
+        receives = [(src, box, dist.irecv(box, src, group=control, tag=0)) for src, box in self._inbox.items()]
         sending = []
         for dst, message in sends.items():
             capacity = self._capacity_out.get(dst, self._initial)
-            sending.append(dist.isend(message[:capacity], dst, tag=0))
+            sending.append(dist.isend(message[:capacity], dst, group=control, tag=0))
             if message.numel() > capacity:
-                sending.append(dist.isend(message[capacity:], dst, tag=1))
+                sending.append(dist.isend(message[capacity:], dst, group=control, tag=1))
                 self._capacity_out[dst] = self._grown(capacity, message.numel())
         self._posted = (receives, sending, list(sends.values()))  # the messages live until sent
 
@@ -103,14 +105,14 @@ class Mailbox:
         if self._posted is None:
             raise RuntimeError("Mailbox.collect: nothing was posted.")
         receives, sending, _ = self._posted
-        received, rest = {}, []
+        received, rest, control = {}, [], control_plane.group()
         for src, box, work in receives:
             work.wait()
             length = int(box[:8].view(torch.int64))
             if length > box.numel():
                 grown = torch.empty(self._grown(box.numel(), length), dtype=torch.uint8)
                 grown[: box.numel()] = box
-                rest.append(dist.irecv(grown[box.numel() : length], src, tag=1))
+                rest.append(dist.irecv(grown[box.numel() : length], src, group=control, tag=1))
                 self._inbox[src] = box = grown
             received[src] = box[:length]
         for work in rest + sending:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_dlrover import control_plane
 from lightning_dlrover.fault.report import Unrecoverable
 
 
@@ -22,7 +23,7 @@ def agree_on_step(committed: int, voted: int, survivors: list[int]) -> tuple[int
     world = dist.get_world_size()
     mine = torch.tensor([committed, voted], dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
+    dist.all_gather(gathered, mine, group=control_plane.group())
     steps = {rank: (int(gathered[rank][0]), int(gathered[rank][1])) for rank in survivors}
     step = max(done for done, _ in steps.values())
     behind = [rank for rank, (done, vote) in steps.items() if done != step and vote != step]

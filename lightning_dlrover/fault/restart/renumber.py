@@ -22,6 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
+from lightning_dlrover import control_plane
 from lightning_dlrover.fault.restart.spill import spilled_ranks
 
 #: Environment variable: ``0`` keeps ``torchrun``'s numbering (every restore then re-encodes all parity).
@@ -54,7 +55,7 @@ def renumber_nodes(directory: Path | None, node_rank: int, local_rank: int, loca
         return None
     world = dist.get_world_size()
     facts: list[tuple[int, list[int], str]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(facts, (node_rank, spilled_ranks(directory) if local_rank == 0 else [], uuid.uuid4().hex))
+    dist.all_gather_object(facts, (node_rank, spilled_ranks(directory) if local_rank == 0 else [], uuid.uuid4().hex), group=control_plane.group())
     held: list[list[int]] = [[] for _ in range(world // local_world_size)]
     for node, ranks, _ in facts:
         held[node] += ranks

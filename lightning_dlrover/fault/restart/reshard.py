@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dlrover import control_plane
 from lightning_dlrover.fault.coding.coded_state import CodedState, SegmentSpec, chunk_layout
 from lightning_dlrover.fault.coding.decode import decode_lost
 from lightning_dlrover.fault.coding.placement import ParityPlacement
@@ -49,7 +50,7 @@ def restore(state: CodedState | None, spills: list[Spill]) -> RecoveryReport | N
     on every rank alike."""
     me, world = dist.get_rank(), dist.get_world_size()
     gathered: list[list[tuple[int, tuple[int, ...], bool]]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(gathered, [(s.rank, s.generation, s.tentative) for s in spills])
+    dist.all_gather_object(gathered, [(s.rank, s.generation, s.tentative) for s in spills], group=control_plane.group())
     entries = [(holder, rank, gen, tentative) for holder, held in enumerate(gathered) for rank, gen, tentative in held]
     committed = {gen for _, _, gen, tentative in entries if not tentative}  # tentative spills only join these
     entries = [entry for entry in entries if entry[2] in committed]
@@ -79,7 +80,7 @@ def restore(state: CodedState | None, spills: list[Spill]) -> RecoveryReport | N
     if me == source_holder:  # a committed spill: a tentative one has no trainer nor rank states
         first = min((s for s in held.values() if not s.tentative), key=lambda s: s.rank)
         source = [first.layouts, first.chunk_len, first.meta, first.rank_states]
-    dist.broadcast_object_list(source, src=source_holder)
+    dist.broadcast_object_list(source, src=source_holder, group=control_plane.group())
     layouts, chunk_len, meta, rank_states = source
 
     started = time.perf_counter()
@@ -117,7 +118,7 @@ def _reshard(state: CodedState, layouts: list[list[SegmentSpec]], chunk_len: int
     """Moves every piece of the old segments to the new segments it overlaps, straight between the chunks held
     (``chunks``; old rank ``r``'s are on worker ``where[r]``) and the live TorchRec buffers: every worker derives the
     same list of transfers from the layouts, so no header travels; full rows are sent and received as views."""
-    me = dist.get_rank()
+    me, control = dist.get_rank(), control_plane.group()
     targets: dict[str, list[tuple[int, int, SegmentSpec]]] = defaultdict(list)
     for rank, specs in enumerate(state.layouts):
         for index, spec in enumerate(specs):
@@ -155,12 +156,12 @@ def _reshard(state: CodedState, layouts: list[list[SegmentSpec]], chunk_len: int
                 if src == dst:
                     out.copy_(data)
                 elif src == me:
-                    works.append(dist.isend(data if data.is_contiguous() else data.contiguous(), dst, tag=tag))
+                    works.append(dist.isend(data if data.is_contiguous() else data.contiguous(), dst, group=control, tag=tag))
                 elif out.is_contiguous():
-                    works.append(dist.irecv(out.view(-1), src, tag=tag))
+                    works.append(dist.irecv(out.view(-1), src, group=control, tag=tag))
                 else:  # a column slice of the new rows: received whole, then copied in
                     buffer = torch.empty(out.shape, dtype=torch.uint8)
-                    works.append(dist.irecv(buffer, src, tag=tag))
+                    works.append(dist.irecv(buffer, src, group=control, tag=tag))
                     copies.append((out, buffer))
     for work in works:
         work.wait()
@@ -168,7 +169,7 @@ def _reshard(state: CodedState, layouts: list[list[SegmentSpec]], chunk_len: int
         out.copy_(buffer)
     missing = [s.key for s, seg, got in zip(state.specs, state.segments, covered) if got != seg.rows * seg.row_bytes]
     failed = torch.tensor([len(missing) + len(changed)])
-    dist.all_reduce(failed)
+    dist.all_reduce(failed, group=control_plane.group())
     if int(failed):
         raise Unrecoverable(
             f"The spilled state of step {step} does not cover the new sharding plan (changed global shapes: "

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_dlrover import control_plane
 from lightning_dlrover.fault.coding.coded_state import CodedState
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
@@ -28,7 +29,7 @@ def restore_failed_job(host: Host, state: CodedState | None,
              message="refused spills: " + "; ".join(refused))
     reached = last_committed_step(directory) if host.local_rank == 0 else None
     facts = [None] * host.world_size
-    dist.all_gather_object(facts, (reached, restart_count(), len(refused)))
+    dist.all_gather_object(facts, (reached, restart_count(), len(refused)), group=control_plane.group())
     progress = max((f[0] for f in facts if f[0] is not None), default=None)
     restarted = progress is not None or max(f[1] for f in facts) > 0
     refusals = sum(f[2] for f in facts)
