@@ -76,12 +76,12 @@ def host_ptr(tensor: Tensor, what: str) -> int:
         tensor: the tensor whose buffer the kernel reads or writes.
         what: what it is, for the message (e.g. ``"parity"``).
     """
-    if tensor.device.type != "cpu":
-        raise ValueError(
-            f"{what} is on {tensor.device}; the CPU kernels need CPU tensors: keep the buffers on the CPU, or use "
-            f"the per-device kernels (lightning_dlrover.parity.dispatch.kernels(device), ReedSolomonCode)"
-        )
-    return tensor.data_ptr()
+    if tensor.is_cpu:  # tensor.device.type == "cpu", without building a device object (this is per kernel call)
+        return tensor.data_ptr()
+    raise ValueError(
+        f"{what} is on {tensor.device}; the CPU kernels need CPU tensors: keep the buffers on the CPU, or use "
+        f"the per-device kernels (lightning_dlrover.parity.dispatch.kernels(device), ReedSolomonCode)"
+    )
 
 
 def matmul(dst: Sequence[Tensor], src: Sequence[Tensor], coefs: np.ndarray, accumulate: bool) -> None:
