@@ -65,6 +65,7 @@ class CodedEmbeddings:
         self.state, self.placement = state, placement
         self.rank = dist.get_rank()
         self.code = ReedSolomonCode(placement.k, placement.r)
+        # Untested on GPU: parity and pinned mailbox buffers for shards on a CUDA device.
         self.parity = torch.zeros(placement.r, state.chunk_len, dtype=torch.uint8, device=state.device)
         self._staging = Staging(state.device)
         #: The C kernels and plain memory copies on buffer addresses (shards in host memory), else torch operations.
@@ -194,7 +195,7 @@ class CodedEmbeddings:
                     size = n * segment.row_bytes
                     if native:
                         ctypes.memmove(base + offset, address, size)
-                    else:
+                    else:  # Untested on GPU (run on CPU tensors by the tests): a copy on the message's device
                         message[offset : offset + size].copy_(source[start : start + size])
                     continue
                 written[index, lo] = (base + offset, message, offset)
@@ -206,6 +207,7 @@ class CodedEmbeddings:
                                              gf_cpu.host_ptr(at, "at") + 8 * lo, segment.row_bytes)
                     continue
                 # Any device (torch operations; on CUDA on the current stream, after the step's optimizer: above).
+                # Untested on GPU: the tests run this branch on CPU tensors (``_native = False``), not on CUDA ones.
                 out = message[offset : offset + n * segment.row_bytes].view(segment.tensor.dtype)
                 out = out.view(n, *segment.tensor.shape[1:])
                 torch.index_select(segment.tensor, 0, rows[lo:hi], out=out)
@@ -265,6 +267,8 @@ class CodedEmbeddings:
                                    base + data_at, row_bytes)
             return
         # Any device: the device's update_rows kernel (CuPy on CUDA) through the code; the message is on its device.
+        # Untested on GPU: the tests run this branch on CPU tensors (``_native = False``); CuPy's update_rows itself
+        # is tested on a GPU by tests/parity/test_cuda.py.
         slots = message[slots_at : slots_at + 8 * n].view(torch.int64)
         deltas = message[data_at : data_at + n * row_bytes].view(n, row_bytes)
         self.code.update_rows(self.parity[p : p + 1], c, slots, deltas, parity_ids=[self.placement.k + p])

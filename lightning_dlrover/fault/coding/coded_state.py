@@ -161,6 +161,7 @@ class CodedState:
         for index, seg in enumerate(self.segments):
             self._segments_of_table.setdefault(seg.table, []).append(index)
         # On the segments' device: they index the logged rows, which live there (the undo log).
+        # Untested on GPU: the piece index on a CUDA device (split_by_chunk and locate then run there).
         self._piece_index = [
             (
                 torch.tensor([p.row_lo for p in pieces], dtype=torch.int64, device=self.device),

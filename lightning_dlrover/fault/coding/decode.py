@@ -212,6 +212,7 @@ def combine(combinations: Sequence[Combination], me: int | None = None, block: i
             posted[n].wait()
             data = scratch[n % slots, : hi - lo]
         # One dispatch for the fold: the C kernel for host memory (as it always was), the device's otherwise.
+        # Untested on GPU: the fold into CUDA outputs (CuPy matmul) and the copy of received blocks to the device.
         kernels(out.device).matmul([out], [data.to(out.device)], np.array([[term.coef]], dtype=np.uint8), True)
         if term.holder != me:
             received += hi - lo

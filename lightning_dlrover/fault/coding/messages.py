@@ -70,7 +70,7 @@ class Mailbox:
     """
 
     def __init__(self, sources: list[int], capacity: int = 1 << 12, pin_memory: bool = False) -> None:
-        self._pin = pin_memory
+        self._pin = pin_memory  # Untested on GPU: pinned receive buffers
         self._inbox = {src: torch.empty(capacity, dtype=torch.uint8, pin_memory=pin_memory) for src in sources}
         self._capacity_out: dict[int, int] = {}
         self._initial = capacity

@@ -41,6 +41,7 @@ class UndoLog:
         self.device = tables[0].device if tables else torch.device("cpu")
         if any(t.device != self.device for t in tables):
             raise ValueError(f"segments of one table must be on one device; got {[str(t.device) for t in tables]}")
+        # Untested on GPU: buffers on a CUDA device (the tests run them on the CPU and on "meta").
         #: ``pos[row]``: the row's place in the log, -1 if it is not logged.
         self.pos = torch.full((self.num_rows,), -1, dtype=torch.int32, device=self.device)
         #: Logged rows (``rows[:len(self)]``) by the capture that first touched them, each capture's increasing.
@@ -86,6 +87,7 @@ class UndoLog:
             n = gf_cpu.undo_mark_raw(gf_cpu.host_ptr(ids, "ids"), m, gf_cpu.host_ptr(self.pos, "the undo log"),
                                      self.num_rows, gf_cpu.host_ptr(self.rows, "the undo log"), n0, self.rows.shape[0])
         else:  # the same log with torch operations, on any device (function calls: cheaper than tensor indexing)
+            # Untested on GPU: this branch runs on CPU tensors in the tests (``_raw = False``), never on CUDA ones.
             fresh = torch.unique(ids)  # increasing
             # Checked on the host before indexing: on CUDA an index out of range is a device-side assert that ends
             # the process's CUDA context, not an IndexError (one synchronisation; torch.unique made one already).
