@@ -117,6 +117,8 @@ class CommitProtocol:
             self._dense.stage()  # everything of step ``step`` is taken now; only the exchange and the vote wait
             ballot = rank_state.pad(rank_state.capture_rank(self._buffers), self._rank_state_len)
             self._deciding = PendingCommit(index, step, trainer_state(), ballot)
+            # After the step's backward and fused optimizer: on a GPU the deltas are captured on the current
+            # stream, ordered after that update (see lightning_dlrover.fault.coding.staging).
             self.coded.post_deltas()
         if not self.parity.overlap:
             self.settle()

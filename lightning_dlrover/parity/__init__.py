@@ -5,7 +5,8 @@ dense or row-sparse updates, and recovers any r lost shards bit-exactly. :func:`
 float32/bfloat16/float16 (or any) contiguous tensors as bytes without copying.
 
 Modules: :mod:`.gf256` (the field), :mod:`.codes` (the code), :mod:`.cpu` (C kernels and their
-instruction-set selection), :mod:`.cuda` (CuPy kernels), :mod:`.portable` (torch fallback).
+instruction-set selection), :mod:`.cuda` (CuPy kernels), :mod:`.portable` (torch fallback), :mod:`.dispatch`
+(which of them serves a device).
 """
 
 from .codes import ReedSolomonCode, as_bytes

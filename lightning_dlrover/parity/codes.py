@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import functools
 import operator
-import warnings
 from collections.abc import Mapping, Sequence
-from types import ModuleType
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from . import cpu, cuda, gf256, portable
+from . import gf256
+from .dispatch import kernels as _backend
 
 
 def as_bytes(t: Tensor) -> Tensor:
@@ -37,26 +36,6 @@ def as_bytes(t: Tensor) -> Tensor:
     if t.dtype == torch.uint8:
         return t
     return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8)
-
-
-_warned_portable: set[str] = set()
-
-
-def _backend(device: torch.device) -> ModuleType:
-    if device.type == "cpu":
-        return cpu
-    if device.type == "cuda" and cuda.available():
-        return cuda
-    if device.type not in _warned_portable:
-        _warned_portable.add(device.type)
-        hint = " (install CuPy for the CUDA kernels)" if device.type == "cuda" else ""
-        warnings.warn(
-            f"lightning_dlrover.parity: no native kernels for {device.type} tensors{hint}; "
-            f"using slow portable torch kernels",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return portable
 
 
 def _check_bytes(name: str, t: object) -> Tensor:

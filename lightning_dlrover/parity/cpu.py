@@ -7,7 +7,9 @@ there), then those of the extension the CPU supports: ``scalar`` (table lookups,
 ``LIGHTNING_DLROVER_GF_ISA`` names another, or :func:`set_isa` is called (tests, benchmarks).
 If the extension is not built, a warning says so once and ``portable`` is used.
 
-Kernels run on one thread and release the GIL.
+Kernels run on one thread and release the GIL. They read and write host memory only: every tensor address
+handed to them is taken through :func:`host_ptr`, which refuses a tensor that is not on the CPU (the ``*_raw``
+functions take addresses: their callers take them with :func:`host_ptr`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,24 @@ def set_isa(name: str) -> str:
     return previous
 
 
+def host_ptr(tensor: Tensor, what: str) -> int:
+    """``tensor.data_ptr()``, to hand to a C kernel, or ValueError if ``tensor`` is not in host memory.
+
+    A C kernel given the address of a CUDA (or any non-CPU) buffer reads or writes it as host memory: a crash or
+    silent corruption, not an error. Every ``data_ptr()`` passed to a kernel of this module goes through here.
+
+    Args:
+        tensor: the tensor whose buffer the kernel reads or writes.
+        what: what it is, for the message (e.g. ``"parity"``).
+    """
+    if tensor.is_cpu:  # tensor.device.type == "cpu", without building a device object (this is per kernel call)
+        return tensor.data_ptr()
+    raise ValueError(
+        f"{what} is on {tensor.device}; the CPU kernels need CPU tensors: keep the buffers on the CPU, or use "
+        f"the per-device kernels (lightning_dlrover.parity.dispatch.kernels(device), ReedSolomonCode)"
+    )
+
+
 def matmul(dst: Sequence[Tensor], src: Sequence[Tensor], coefs: np.ndarray, accumulate: bool) -> None:
     """``dst[j] = (dst[j] if accumulate else 0) ^ XOR_i coefs[j, i] * src[i]``.
 
@@ -77,8 +97,8 @@ def matmul(dst: Sequence[Tensor], src: Sequence[Tensor], coefs: np.ndarray, accu
         portable.matmul(dst, src, coefs, accumulate)
         return
     _gf256.matmul(
-        [d.data_ptr() for d in dst],
-        [s.data_ptr() for s in src],
+        [host_ptr(d, "dst") for d in dst],
+        [host_ptr(s, "src") for s in src],
         np.ascontiguousarray(coefs, dtype=np.uint8).tobytes(),
         dst[0].numel(),
         accumulate,
@@ -100,13 +120,13 @@ def update_rows(parity: Tensor, coefs: np.ndarray, rows: Tensor, delta: Tensor, 
         portable.update_rows(parity, coefs, rows, delta, check)
         return
     _gf256.update_rows(
-        parity.data_ptr(),
+        host_ptr(parity, "parity"),
         parity.shape[1] * parity.shape[2],
         np.ascontiguousarray(coefs, dtype=np.uint8).tobytes(),
-        rows.data_ptr(),
+        host_ptr(rows, "rows"),
         rows.numel(),
         parity.shape[1],
-        delta.data_ptr(),
+        host_ptr(delta, "delta"),
         parity.shape[2],
     )
 

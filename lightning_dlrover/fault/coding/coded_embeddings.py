@@ -24,6 +24,13 @@ are again those of step ``s - 1``, and the lost ranks are decoded at that step. 
 all-gather can leave some survivors committed and others not, which is safe to resolve forward because every
 rank had voted: in-process recovery has the others :meth:`decide` step ``s`` too, and a restart counts their
 tentative spills of step ``s`` (:class:`~lightning_dlrover.fault.restart.spill.Spill`). Only touched rows travel.
+
+Parity, undo logs and deltas live on the device of the coded shards. Shards on the CPU use the C kernels on buffer
+addresses; shards elsewhere (CUDA) use torch operations and the device's kernels
+(:func:`lightning_dlrover.parity.dispatch.kernels`), with the messages staged through pinned host memory for the
+gloo exchange (:mod:`lightning_dlrover.fault.coding.staging`, which also says how the capture is ordered after the
+fused optimizer's update). ``_native`` is the one switch between the two branches (tests set it to ``False`` to run
+the device branch on CPU tensors).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from lightning_dlrover.fault.coding.coded_state import INT_OF_SIZE, CodedState
 from lightning_dlrover.fault.coding.decode import Combination, Term, combine, decode_combinations, layout_spans
 from lightning_dlrover.fault.coding.messages import Mailbox, align
 from lightning_dlrover.fault.coding.placement import ParityPlacement
+from lightning_dlrover.fault.coding.staging import Staging
 from lightning_dlrover.fault.restart.spill import Spill, job_identity
 from lightning_dlrover.parity import ReedSolomonCode
 from lightning_dlrover.parity import cpu as gf_cpu
@@ -58,7 +66,11 @@ class CodedEmbeddings:
         self.state, self.placement = state, placement
         self.rank = dist.get_rank()
         self.code = ReedSolomonCode(placement.k, placement.r)
-        self.parity = torch.zeros(placement.r, state.chunk_len, dtype=torch.uint8)
+        # Untested on GPU: parity and pinned mailbox buffers for shards on a CUDA device.
+        self.parity = torch.zeros(placement.r, state.chunk_len, dtype=torch.uint8, device=state.device)
+        self._staging = Staging(state.device)
+        #: The C kernels and plain memory copies on buffer addresses (shards in host memory), else torch operations.
+        self._native = self._staging.on_host
         self.committed_step = -1
         #: Bytes of the messages the last :meth:`post_deltas` sent.
         self.sent_bytes = 0
@@ -71,9 +83,12 @@ class CodedEmbeddings:
         self._coefficient_bytes = [[bytes([c]) for c in row] for row in self._coefficients]
         self._spans_of: list[list[list[tuple[int, int]]]] | None = None
         self._partners_in = sorted({placement.data_rank(g, c) for g, _ in placement.parity_held(me) for c in range(k)})
-        self._mailbox = Mailbox(self._partners_in)
+        self._mailbox = self._new_mailbox()
         if encode:  # else the caller runs encode() or recover() (a replacement joining survivors) next
             self.encode()
+
+    def _new_mailbox(self) -> Mailbox:
+        return Mailbox(self._partners_in, pin_memory=not self._staging.on_host)
 
     def _spans(self, rank: int, shard: int) -> list[tuple[int, int]]:
         """Byte ranges of ``rank``'s data chunk ``shard < k`` (rows only) or of its parity row ``shard - k`` (all)."""
@@ -149,8 +164,15 @@ class CodedEmbeddings:
                 group = self.placement.group_of_chunk(self.rank, chunk)
                 for p in range(self.placement.r):
                     blocks[self.placement.parity_rank(group, p)].append((p, chunk, index, lo, hi))
-        raw = gf_cpu.has_undo_kernels()
-        written: dict[tuple[int, int], tuple[int, Tensor]] = {}
+        # Shards on a GPU: the capture below (gathers, XORs, copies into the messages) is enqueued on the current
+        # stream. The step's backward and its fused optimizer update (inside the embedding kernels' backward) are
+        # ordered before it there, because autograd orders the stream current at backward() after the backward's
+        # own, and this runs after the step's backward and optimizer calls returned (FaultManager ends the step).
+        # So the capture reads the updated rows with no extra event; the host waits for it (an event after the
+        # copies to pinned memory) before gloo reads the bytes: Staging.to_host, at the end.
+        native = self._native
+        raw = native and gf_cpu.has_undo_kernels()
+        written: dict[tuple[int, int], tuple[int, Tensor, int]] = {}
         messages, self.sent_bytes = {}, 0
         for dst, plan in blocks.items():
             words = 2 + 4 * len(plan) + sum(hi - lo for *_, lo, hi in plan)
@@ -161,24 +183,32 @@ class CodedEmbeddings:
                 row_bytes = self.state.segments[index].row_bytes
                 at += (hi - lo) * row_bytes
                 descriptors += [p, chunk, row_bytes, hi - lo]
-            message = torch.empty(at, dtype=torch.uint8)
+            message = torch.empty(at, dtype=torch.uint8, device=self.parity.device)
             head = message[: 8 * words].view(torch.int64)
             head[: 2 + len(descriptors)] = torch.tensor([at, len(plan), *descriptors])
             if plan:
                 torch.cat([slots_of[index, lo] for _, _, index, lo, _ in plan], out=head[2 + len(descriptors) :])
-            base = message.data_ptr()
+            base = gf_cpu.host_ptr(message, "the delta message") if native else 0
             for (p, chunk, index, lo, hi), offset in zip(plan, offsets):
                 segment, n = self.state.segments[index], hi - lo
                 if (index, lo) in written:  # r > 1: the same delta for another parity holder
-                    ctypes.memmove(base + offset, written[index, lo][0], n * segment.row_bytes)
+                    address, source, start = written[index, lo]
+                    size = n * segment.row_bytes
+                    if native:
+                        ctypes.memmove(base + offset, address, size)
+                    else:  # Untested on GPU (run on CPU tensors by the tests): a copy on the message's device
+                        message[offset : offset + size].copy_(source[start : start + size])
                     continue
-                written[index, lo] = (base + offset, message)
+                written[index, lo] = (base + offset, message, offset)
                 rows, (at, log) = rows_of[index], old_of[index]  # the committed value of rows[i] is log[at[i]]
                 if raw and segment.tensor.is_contiguous():
-                    gf_cpu.gather_xor_at_raw(base + offset, segment.tensor.data_ptr(), segment.rows,
-                                             rows.data_ptr() + 8 * lo, n, log.data_ptr(), log.shape[0],
-                                             at.data_ptr() + 8 * lo, segment.row_bytes)
+                    gf_cpu.gather_xor_at_raw(base + offset, gf_cpu.host_ptr(segment.tensor, segment.name), segment.rows,
+                                             gf_cpu.host_ptr(rows, "rows") + 8 * lo, n,
+                                             gf_cpu.host_ptr(log, "the undo log"), log.shape[0],
+                                             gf_cpu.host_ptr(at, "at") + 8 * lo, segment.row_bytes)
                     continue
+                # Any device (torch operations; on CUDA on the current stream, after the step's optimizer: above).
+                # Untested on GPU: the tests run this branch on CPU tensors (``_native = False``), not on CUDA ones.
                 out = message[offset : offset + n * segment.row_bytes].view(segment.tensor.dtype)
                 out = out.view(n, *segment.tensor.shape[1:])
                 torch.index_select(segment.tensor, 0, rows[lo:hi], out=out)
@@ -186,12 +216,13 @@ class CodedEmbeddings:
                 out.view(kind).bitwise_xor_(log.index_select(0, at[lo:hi]).view(kind))
             messages[dst] = message
             self.sent_bytes += message.numel()
-        self._mailbox.post(messages)
+        # Shards on a GPU: the messages go to pinned host memory, complete before gloo reads them.
+        self._mailbox.post(self._staging.to_host(messages))
 
     def finish_deltas(self) -> None:
         """Waits for the deltas :meth:`post_deltas` sent and received, and folds the received ones into parity."""
         for message in self._mailbox.collect().values():
-            for block in self._blocks(message):
+            for block in self._blocks(message, self._staging.to_device(message)):
                 self._apply(*block)
                 self._pending.append(block)
 
@@ -211,9 +242,11 @@ class CodedEmbeddings:
         self.committed_step = step
 
     @staticmethod
-    def _blocks(message: Tensor) -> list[tuple[int, int, Tensor, int, int, int, int]]:
-        """Parses a delta message (see :meth:`post_deltas`): ``(p, c, message, slots_at, n, row_bytes, data_at)``
-        per block (byte offsets into the message)."""
+    def _blocks(message: Tensor, data: Tensor | None = None) -> list[tuple[int, int, Tensor, int, int, int, int]]:
+        """Parses a delta message (see :meth:`post_deltas`): ``(p, c, data, slots_at, n, row_bytes, data_at)`` per
+        block (byte offsets into the message); ``data`` is the message's copy the blocks read (on the parity's
+        device), the message itself by default."""
+        data = message if data is None else data
         count = int(message[8:16].view(torch.int64))
         descriptors = message[16 : 16 + 32 * count].view(torch.int64).view(count, 4).tolist()
         slots_at = 16 + 32 * count
@@ -221,18 +254,22 @@ class CodedEmbeddings:
         blocks = []
         for p, c, row_bytes, n in descriptors:
             data_at = align(data_at)
-            blocks.append((p, c, message, slots_at, n, row_bytes, data_at))
+            blocks.append((p, c, data, slots_at, n, row_bytes, data_at))
             slots_at, data_at = slots_at + 8 * n, data_at + n * row_bytes
         return blocks
 
     def _apply(self, p: int, c: int, message: Tensor, slots_at: int, n: int, row_bytes: int, data_at: int) -> None:
         """Folds one block of deltas into parity row ``p`` (applying it twice undoes it)."""
         chunk_len = self.state.chunk_len
-        if gf_cpu.has_raw_kernels():
-            base = message.data_ptr()
-            gf_cpu.update_rows_raw(self.parity.data_ptr() + p * chunk_len, chunk_len, self._coefficient_bytes[p][c],
-                                   base + slots_at, n, chunk_len // row_bytes, base + data_at, row_bytes)
+        if self._native and gf_cpu.has_raw_kernels():
+            base = gf_cpu.host_ptr(message, "the delta message")
+            gf_cpu.update_rows_raw(gf_cpu.host_ptr(self.parity, "parity") + p * chunk_len, chunk_len,
+                                   self._coefficient_bytes[p][c], base + slots_at, n, chunk_len // row_bytes,
+                                   base + data_at, row_bytes)
             return
+        # Any device: the device's update_rows kernel (CuPy on CUDA) through the code; the message is on its device.
+        # Untested on GPU: the tests run this branch on CPU tensors (``_native = False``); CuPy's update_rows itself
+        # is tested on a GPU by tests/parity/test_cuda.py.
         slots = message[slots_at : slots_at + 8 * n].view(torch.int64)
         deltas = message[data_at : data_at + n * row_bytes].view(n, row_bytes)
         self.code.update_rows(self.parity[p : p + 1], c, slots, deltas, parity_ids=[self.placement.k + p])
@@ -240,6 +277,8 @@ class CodedEmbeddings:
     def spill(self, rank: int, step: int, rank_states: Tensor | None, meta: dict[str, Any] | None,
               tentative: bool = False) -> Spill:
         """This rank's data chunks (a copy) and parity share (the live tensor) as they are now, as the spill of ``step``."""
+        # Untested on GPU: with shards on a GPU the chunks are copied to the host and the parity is the live device
+        # tensor (torch.save copies it to the host when the spill is written).
         state = self.state
         chunks = torch.empty(state.k, state.chunk_len, dtype=torch.uint8)
         for c in range(state.k):
@@ -276,7 +315,7 @@ class CodedEmbeddings:
         self.rollback()
         # A replacement starts with small buffers, and an exchange abandoned by the failure leaves the partners
         # disagreeing on sizes: every rank starts over.
-        self._mailbox = Mailbox(self._partners_in)
+        self._mailbox = self._new_mailbox()
 
         def same(rank: int) -> int:  # in place: every rank holds and rebuilds its own chunks
             return rank

@@ -121,8 +121,7 @@ class CodedState:
     """
 
     def __init__(self, module: nn.Module, k: int) -> None:
-        self.k = k
-        self.segments: list[Segment] = []
+        segments: list[Segment] = []
         self._hooks = []
         num_tables = 0
         for kernel in fused_embedding_kernels(module):
@@ -133,21 +132,42 @@ class CodedState:
                 table_states = states[i] if i < len(states) else []
                 index, num_tables = num_tables, num_tables + 1
                 offsets = ",".join(map(str, table.local_metadata.shard_offsets)) if table.local_metadata else "0"
-                self.segments.append(Segment(f"{table.name}@{offsets}/weight", index, weight))
+                segments.append(Segment(f"{table.name}@{offsets}/weight", index, weight))
                 for s, state in enumerate(table_states):
-                    self.segments.append(Segment(f"{table.name}@{offsets}/state{s}", index, state))
+                    segments.append(Segment(f"{table.name}@{offsets}/state{s}", index, state))
         by_address = _shard_specs(module)
-        self.specs = [self._spec(seg, by_address) for seg in self.segments]
+        self._build(segments, [self._spec(seg, by_address) for seg in segments], k)
+
+    @classmethod
+    def of_segments(cls, segments: list[Segment], specs: list[SegmentSpec], k: int) -> CodedState:
+        """A coded state over ``segments`` described by ``specs`` (collective), without a TorchRec model: no forward
+        hooks, rows are logged with :meth:`_touch` (tests, and coding tensors other than a model's tables)."""
+        state = cls.__new__(cls)
+        state._hooks = []
+        state._build(segments, specs, k)
+        return state
+
+    def _build(self, segments: list[Segment], specs: list[SegmentSpec], k: int) -> None:
+        self.k = k
+        self.segments = segments
+        devices = {seg.tensor.device for seg in segments}
+        if len(devices) > 1:
+            raise ValueError(f"the coded segments of a rank must be on one device; got {sorted(map(str, devices))}")
+        #: Where the segments live: the parity, undo logs and deltas that code them are kept there too.
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.specs = specs
         self.share_layout()
         self.pieces = chunk_layout(self.specs, self.chunk_len)
         self._segments_of_table: dict[int, list[int]] = {}
         for index, seg in enumerate(self.segments):
             self._segments_of_table.setdefault(seg.table, []).append(index)
+        # On the segments' device: they index the logged rows, which live there (the undo log).
+        # Untested on GPU: the piece index on a CUDA device (split_by_chunk and locate then run there).
         self._piece_index = [
             (
-                torch.tensor([p.row_lo for p in pieces], dtype=torch.int64),
-                torch.tensor([p.chunk for p in pieces], dtype=torch.int64),
-                torch.tensor([p.slot - p.row_lo for p in pieces], dtype=torch.int64),
+                torch.tensor([p.row_lo for p in pieces], dtype=torch.int64, device=self.device),
+                torch.tensor([p.chunk for p in pieces], dtype=torch.int64, device=self.device),
+                torch.tensor([p.slot - p.row_lo for p in pieces], dtype=torch.int64, device=self.device),
             )
             for pieces in ([p for p in self.pieces if p.segment == i] for i in range(len(self.segments)))
         ]
@@ -231,7 +251,7 @@ class CodedState:
             return [(int(chunks[0]), 0, len(rows), rows + int(shifts[0]))]
         chunk_of, slots = self.locate(segment, rows)
         first, last = int(chunk_of[0]), int(chunk_of[-1])
-        edges = torch.searchsorted(chunk_of, torch.arange(first, last + 2)).tolist()
+        edges = torch.searchsorted(chunk_of, torch.arange(first, last + 2, device=chunk_of.device)).tolist()
         return [(c, lo, hi, slots[lo:hi]) for c, lo, hi in zip(range(first, last + 1), edges, edges[1:]) if lo < hi]
 
     def locate(self, segment: int, rows: Tensor) -> tuple[Tensor, Tensor]:

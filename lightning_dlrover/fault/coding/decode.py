@@ -10,6 +10,10 @@ preallocated buffer): one source with coefficient 1 is received there directly; 
 small ring of scratch blocks and are folded in (``out ^= c * block``) while the next blocks are in flight.
 Senders send views of their chunks (TorchRec buffers, parity rows, memory-mapped spills): nothing is read
 into a message first. One routine serves the in-process recovery and the restore after a restart.
+
+Live memory on a GPU: the transfers run over gloo, which moves host memory only, so a view on the device is sent
+from a host copy and received into a host buffer, then copied to the device (:mod:`.staging`); the folds run on the
+output's device with its kernels (:func:`lightning_dlrover.parity.dispatch.kernels`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from torch import Tensor
 from lightning_dlrover import control_plane
 from lightning_dlrover.fault.coding.coded_state import SegmentSpec, chunk_layout
 from lightning_dlrover.fault.coding.placement import ParityPlacement
+from lightning_dlrover.fault.coding.staging import host_copy, land, landing
 from lightning_dlrover.parity import ReedSolomonCode
-from lightning_dlrover.parity import cpu as gf_cpu
+from lightning_dlrover.parity.dispatch import kernels
 
 #: Bytes of one scratch block (a streamed source arrives block by block).
 BLOCK = 4 << 20
@@ -163,10 +168,11 @@ def combine(combinations: Sequence[Combination], me: int | None = None, block: i
             held[id(term)] = term.regions()
         return view_of(held[id(term)], lo, hi)
 
-    works = [dist.isend(source(term, lo, hi), dst, group=control, tag=tag) for term, dst, lo, hi, tag in sends]
+    # A send from device memory goes from a host copy; the work keeps it alive until it is sent.
+    works = [dist.isend(host_copy(source(term, lo, hi)), dst, group=control, tag=tag) for term, dst, lo, hi, tag in sends]
     received = 0
     regions_of = {id(c): c.regions() for c in combinations if c.receiver == me}
-    pending_direct: dict[int, list] = defaultdict(list)
+    pending_direct: dict[int, list] = defaultdict(list)  # (work, out, where it lands)
     for combo in combinations:  # outputs not covered by their direct source are zero there first
         if combo.receiver != me:
             continue
@@ -178,7 +184,8 @@ def combine(combinations: Sequence[Combination], me: int | None = None, block: i
         if term.holder == me:
             out.copy_(source(term, lo, hi))
         else:
-            pending_direct[id(combo)].append(dist.irecv(out, term.holder, group=control, tag=tag))
+            into = landing(out)
+            pending_direct[id(combo)].append((dist.irecv(into, term.holder, group=control, tag=tag), out, into))
             received += hi - lo
     remote = [item for item in streamed if item[1].holder != me]
     slots = SLOTS if remote else 0
@@ -197,20 +204,26 @@ def combine(combinations: Sequence[Combination], me: int | None = None, block: i
         post(n)
     n = 0
     for combo, term, lo, hi, _ in streamed:
-        for work in pending_direct.pop(id(combo), []):
+        for work, target, into in pending_direct.pop(id(combo), []):
             work.wait()
+            land(target, into)
         out = view_of(regions_of[id(combo)], lo, hi)
         if term.holder == me:
             data = source(term, lo, hi)
         else:
             posted[n].wait()
             data = scratch[n % slots, : hi - lo]
-        gf_cpu.matmul([out], [data], np.array([[term.coef]], dtype=np.uint8), True)
+        # One dispatch for the fold: the C kernel for host memory (as it always was), the device's otherwise.
+        # Untested on GPU: the fold into CUDA outputs (CuPy matmul) and the copy of received blocks to the device.
+        kernels(out.device).matmul([out], [data.to(out.device)], np.array([[term.coef]], dtype=np.uint8), True)
         if term.holder != me:
             received += hi - lo
             post(n + slots)
             n += 1
-    for work in [w for ws in pending_direct.values() for w in ws] + works:
+    for work, target, into in [item for items in pending_direct.values() for item in items]:
+        work.wait()
+        land(target, into)
+    for work in works:
         work.wait()
     return received
 

@@ -65,10 +65,14 @@ class Mailbox:
         sources: ranks that send a message here at every exchange.
         capacity: initial receive buffer bytes per source. Small: a buffer grows to the first message that does not
             fit (one message in two parts), so every job, small test jobs included, runs the growth path.
+        pin_memory: receive into pinned host memory (shards on a GPU: the received deltas are copied to the device
+            asynchronously, see :mod:`lightning_dlrover.fault.coding.staging`). Messages are host memory either way:
+            the exchange runs over the CPU (gloo) control plane.
     """
 
-    def __init__(self, sources: list[int], capacity: int = 1 << 12) -> None:
-        self._inbox = {src: torch.empty(capacity, dtype=torch.uint8) for src in sources}
+    def __init__(self, sources: list[int], capacity: int = 1 << 12, pin_memory: bool = False) -> None:
+        self._pin = pin_memory  # Untested on GPU: pinned receive buffers
+        self._inbox = {src: torch.empty(capacity, dtype=torch.uint8, pin_memory=pin_memory) for src in sources}
         self._capacity_out: dict[int, int] = {}
         self._initial = capacity
         self._posted: tuple[list[tuple[int, Tensor, dist.Work]], list[dist.Work], list[Tensor]] | None = None
@@ -110,7 +114,7 @@ class Mailbox:
             work.wait()
             length = int(box[:8].view(torch.int64))
             if length > box.numel():
-                grown = torch.empty(self._grown(box.numel(), length), dtype=torch.uint8)
+                grown = torch.empty(self._grown(box.numel(), length), dtype=torch.uint8, pin_memory=self._pin)
                 grown[: box.numel()] = box
                 rest.append(dist.irecv(grown[box.numel() : length], src, group=control, tag=1))
                 self._inbox[src] = box = grown

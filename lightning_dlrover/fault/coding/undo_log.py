@@ -7,6 +7,10 @@ increasing order) and the values beside them, in preallocated buffers that grow 
 commits, so a step appends and a commit forgets without reordering or copying values. Readers get the rows in
 increasing order and, for each, its place in the log (:meth:`UndoLog.sorted`): with one capture per window (a
 commit every step) that is the log itself.
+
+The log lives on its tables' device. On the CPU the C kernels keep the row -> place index; on any other device
+(CUDA) the same log is kept with torch operations, which run there as they are (the C kernels read host memory
+only). ``_raw`` is the one switch between the two (tests set it to ``False`` to run the torch branch on the CPU).
 """
 
 from __future__ import annotations
@@ -33,17 +37,23 @@ class UndoLog:
         self.num_rows = tables[0].shape[0] if tables else 0
         if any(t.shape[0] != self.num_rows for t in tables):
             raise ValueError(f"segments of one table must have the same rows; got {[t.shape[0] for t in tables]}")
+        #: Where the tables, and so the log, live.
+        self.device = tables[0].device if tables else torch.device("cpu")
+        if any(t.device != self.device for t in tables):
+            raise ValueError(f"segments of one table must be on one device; got {[str(t.device) for t in tables]}")
+        # Untested on GPU: buffers on a CUDA device (the tests run them on the CPU and on "meta").
         #: ``pos[row]``: the row's place in the log, -1 if it is not logged.
-        self.pos = torch.full((self.num_rows,), -1, dtype=torch.int32)
+        self.pos = torch.full((self.num_rows,), -1, dtype=torch.int32, device=self.device)
         #: Logged rows (``rows[:len(self)]``) by the capture that first touched them, each capture's increasing.
-        self.rows = torch.empty(0, dtype=torch.int64)
+        self.rows = torch.empty(0, dtype=torch.int64, device=self.device)
         #: ``values[j][i]``: the committed value of ``tables[j]`` at ``rows[i]``.
-        self.values = [torch.empty((0, *t.shape[1:]), dtype=t.dtype) for t in tables]
+        self.values = [torch.empty((0, *t.shape[1:]), dtype=t.dtype, device=self.device) for t in tables]
         self._n = 0
         self._ordered = True  # rows[:n] is increasing
         self._sorted: tuple[Tensor, Tensor] | None = None
-        self._places = torch.arange(0)  # 0, 1, ... (the places of an increasing log)
-        self._raw = self.num_rows < 2**31  # the C kernels' row -> place index is int32
+        self._places = torch.arange(0, device=self.device)  # 0, 1, ... (the places of an increasing log)
+        # The C kernels: host memory only, and their row -> place index is int32. Else the torch branch.
+        self._raw = self.device.type == "cpu" and self.num_rows < 2**31
 
     def __len__(self) -> int:
         return self._n
@@ -55,34 +65,37 @@ class UndoLog:
             return
         cap = min(self.num_rows, max(need, 2 * cap, 1024))
         n = self._n
-        rows = torch.empty(cap, dtype=torch.int64)
+        rows = torch.empty(cap, dtype=torch.int64, device=self.device)
         rows[:n] = self.rows[:n]
-        self.rows, self._places = rows, torch.arange(cap)
+        self.rows, self._places = rows, torch.arange(cap, device=self.device)
         self._places32 = self._places.to(torch.int32)
         for j, old in enumerate(self.values):
-            values = torch.empty((cap, *old.shape[1:]), dtype=old.dtype)
+            values = torch.empty((cap, *old.shape[1:]), dtype=old.dtype, device=self.device)
             values[:n] = old[:n]
             self.values[j] = values
 
     def capture(self, ids: Tensor) -> None:
         """Logs the rows among ``ids`` (any integer tensor; repeats allowed) not logged yet, with their current
         values. An id outside the table raises and logs nothing."""
-        ids = ids.reshape(-1).to(torch.int64)
+        ids = ids.reshape(-1).to(self.device, torch.int64)
         m, n0 = ids.numel(), self._n
         if not m:
             return
         self._reserve(min(self.num_rows, n0 + m))
         if self._raw and gf_cpu.has_undo_kernels():
             ids = ids.contiguous()
-            n = gf_cpu.undo_mark_raw(ids.data_ptr(), m, self.pos.data_ptr(), self.num_rows, self.rows.data_ptr(), n0,
-                                     self.rows.shape[0])
-        else:  # the same log without the C kernels (function calls: cheaper than tensor indexing)
-            fresh = torch.unique(ids)
-            try:
-                logged = self.pos.index_select(0, fresh)
-            except IndexError as error:
-                raise ValueError(f"ids in [{int(fresh[0])}, {int(fresh[-1])}] are out of range for a table of "
-                                 f"{self.num_rows} rows; the input's ids must index the table's shard") from error
+            n = gf_cpu.undo_mark_raw(gf_cpu.host_ptr(ids, "ids"), m, gf_cpu.host_ptr(self.pos, "the undo log"),
+                                     self.num_rows, gf_cpu.host_ptr(self.rows, "the undo log"), n0, self.rows.shape[0])
+        else:  # the same log with torch operations, on any device (function calls: cheaper than tensor indexing)
+            # Untested on GPU: this branch runs on CPU tensors in the tests (``_raw = False``), never on CUDA ones.
+            fresh = torch.unique(ids)  # increasing
+            # Checked on the host before indexing: on CUDA an index out of range is a device-side assert that ends
+            # the process's CUDA context, not an IndexError (one synchronisation; torch.unique made one already).
+            low, high = fresh[[0, -1]].tolist()
+            if low < 0 or high >= self.num_rows:
+                raise ValueError(f"ids in [{low}, {high}] are out of range for a table of {self.num_rows} rows; "
+                                 "the input's ids must index the table's shard")
+            logged = self.pos.index_select(0, fresh)
             fresh = torch.masked_select(fresh, logged.lt(0))  # increasing, as the C kernel logs them
             n = n0 + fresh.numel()
             self.rows.narrow(0, n0, n - n0).copy_(fresh)
@@ -107,7 +120,8 @@ class UndoLog:
                 rows, at = self.rows[:n], self._places[:n]
             elif self._raw and gf_cpu.has_undo_kernels() and self.num_rows <= SCAN_RATIO * n:
                 rows, at = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
-                gf_cpu.undo_sorted_raw(self.pos.data_ptr(), self.num_rows, rows.data_ptr(), at.data_ptr(), n)
+                gf_cpu.undo_sorted_raw(gf_cpu.host_ptr(self.pos, "the undo log"), self.num_rows,
+                                       gf_cpu.host_ptr(rows, "rows"), gf_cpu.host_ptr(at, "at"), n)
             else:  # the logged rows are distinct: the sort's order is unique
                 rows, at = torch.sort(self.rows[:n])
             self._sorted = rows, at
