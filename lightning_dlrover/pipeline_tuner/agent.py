@@ -28,7 +28,6 @@ Design (one decision per measurement window, a few seconds each):
 from __future__ import annotations
 
 import random
-from collections import defaultdict
 from dataclasses import dataclass
 
 from lightning_dlrover.data.staged import STAGES, PipelineConfig
