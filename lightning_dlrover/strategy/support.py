@@ -25,6 +25,12 @@ PARITY_CODED_OPTIMIZERS = ("SGD", "Adagrad", "RowWiseAdagrad")
 #: been tested on one.
 PARITY_ON_CUDA = False
 
+#: Whether the fault manager's collectives on CPU tensors (set-up's all-gathers, the rank states a checkpoint holds,
+#: the commit's vote) run on a gloo group of their own. Not in this tree: they run on the world group, which an
+#: NCCL-only group cannot carry (``No backend type associated with device type cpu``). Set it to ``True`` when they
+#: have a gloo control group.
+CONTROL_GROUP = False
+
 GPU_DOC = "docs/gpu.md"
 
 
@@ -75,4 +81,12 @@ def check_device(device_type: str, transport: str, parity: bool, in_process: boo
             "delta messages in CPU memory (lightning_dlrover/fault/coding/) while the shards live on the device, and "
             f"none of it has run on a GPU ({GPU_DOC}). Train with parity on CPU, or leave parity out on the GPU (a "
             "lost rank then falls back to the newest checkpoint)."
+        )
+    if device_type == "cuda" and transport == "nccl" and not CONTROL_GROUP:
+        raise ValueError(
+            "DLRoverStrategy on 'cuda' with process_group_backend 'nccl' (Lightning's default on GPUs): the fault "
+            "manager's set-up and checkpoints run collectives on CPU tensors, which an NCCL-only process group "
+            f"rejects (a gloo control group for them is under way: {GPU_DOC}). Pass "
+            "process_group_backend='cpu:gloo,cuda:nccl' (NCCL for the model, gloo for CPU tensors; untested on GPUs), "
+            "or train on CPU."
         )

@@ -84,17 +84,28 @@ def test_parity_refuses_embedding_optimizers_with_uncoded_state_on_every_device(
 
 
 @pytest.mark.skipif(support.PARITY_ON_CUDA, reason="the commit path runs on the device in this tree")
-def test_parity_on_cuda_is_refused_until_the_commit_runs_on_the_device():
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_parity_on_cuda_is_refused_until_the_commit_runs_on_the_device(backend):
     strategy = DLRoverStrategy(parity=ParityConfig(k=1, r=1))
     with pytest.raises(ValueError) as err:
-        strategy.check_model(model(), backend="nccl", device_type="cuda")
+        strategy.check_model(model(), backend=backend, device_type="cuda")
     message = str(err.value)
     assert "strategy.parity on 'cuda' is not supported yet: the per-step commit keeps parity, undo logs and delta " \
            "messages in CPU memory" in message
     assert "docs/gpu.md" in message and "leave parity out on the GPU" in message
 
 
-def test_a_cuda_job_without_parity_outside_launch_passes_the_checks():
+@pytest.mark.skipif(support.CONTROL_GROUP, reason="CPU-tensor collectives have their own gloo group in this tree")
+def test_a_cuda_job_on_an_nccl_only_group_is_refused_for_its_cpu_tensor_collectives():
+    with pytest.raises(ValueError) as err:
+        DLRoverStrategy().check_model(model(), backend="nccl", device_type="cuda")
+    message = str(err.value)
+    assert "DLRoverStrategy on 'cuda' with process_group_backend 'nccl' (Lightning's default on GPUs): the fault " \
+           "manager's set-up and checkpoints run collectives on CPU tensors" in message
+    assert "process_group_backend='cpu:gloo,cuda:nccl'" in message
+
+
+def test_a_cuda_job_without_parity_on_gloo_and_nccl_passes_the_checks():
     """Nothing refuses it, and nothing has tested it either (README "What runs where")."""
-    constraints = DLRoverStrategy().check_model(model("adam"), backend="nccl", device_type="cuda")
-    assert "row_wise" in constraints["t_cat_0"].sharding_types  # every sharding type on NCCL
+    constraints = DLRoverStrategy().check_model(model("adam"), backend="cpu:gloo,cuda:nccl", device_type="cuda")
+    assert "row_wise" in constraints["t_cat_0"].sharding_types  # every sharding type where NCCL carries the model
