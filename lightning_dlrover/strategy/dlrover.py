@@ -61,7 +61,7 @@ class DLRoverStrategy(DDPStrategy):
 
     Args:
         sharding_types: sharding types the planner may use for every table. Default: on CPU (gloo)
-            ``table_wise``, ``column_wise`` and ``table_column_wise``; on GPU every type.
+            ``table_wise``, ``column_wise`` and ``table_column_wise``; on GPU (untested: docs/gpu.md) every type.
         compute_kernel: TorchRec compute kernel of sharded tables (``fused`` applies the tables'
             in-backward optimizer inside the kernel).
         constraints: per-table planner constraints, keyed by table name.
