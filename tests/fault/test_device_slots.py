@@ -13,7 +13,11 @@ import socket
 import pytest
 
 from lightning_dlrover.fault.inplace import membership
-from lightning_dlrover.fault.inplace.supervisor import Supervisor, SupervisorConfig, serve_store
+from lightning_dlrover.fault.inplace.supervisor import (
+    Supervisor,
+    SupervisorConfig,
+    serve_store,
+)
 from lightning_dlrover.monitor.events import read_events
 
 # Ranks and spares of the first launch outlive machine 1's detection (0.5 s of silence); after a full restart they
