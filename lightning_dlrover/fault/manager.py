@@ -77,16 +77,25 @@ class FaultManager(CommitProtocol):
     # ------------------------------------------------------------------------------ launchers
     @staticmethod
     def process_group_backend(requested: str | None) -> str | None:
-        """The backend for ``init_process_group``: a reconfigurable gloo group under ``lightning-dlrover launch``."""
+        """The backend for ``init_process_group``: a reconfigurable gloo group under ``lightning-dlrover launch``
+        (``ValueError`` there for any other backend)."""
         return inplace.process_group_backend(requested)
+
+    @staticmethod
+    def under_launch() -> bool:
+        """Whether this process runs under ``lightning-dlrover launch`` (in-process recovery on)."""
+        return membership.enabled()
 
     @staticmethod
     def transport(backend: str) -> str:
         """The backend that carries ``backend``'s collectives (``gloo`` for the reconfigurable group)."""
         return inplace.transport(backend)
 
-    def before_process_group(self) -> None:
-        """On a hot spare: blocks until the launcher hands it a lost rank and becomes that rank's worker."""
+    def before_process_group(self, device_type: str = "cpu") -> None:
+        """On a hot spare: blocks until the launcher hands it a lost rank and becomes that rank's worker. Under
+        ``lightning-dlrover launch`` a rank on a device other than the CPU tells the launcher (replacements then
+        must not share a device: see :meth:`.inplace.supervisor.Supervisor.shared_devices`)."""
+        inplace.announce_device(device_type)
         self._assignment = inplace.take_rank_if_spare()
 
     def after_process_group(self, node_rank: int, local_rank: int, local_world_size: int,

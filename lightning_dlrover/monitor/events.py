@@ -55,7 +55,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "in_process_refused": ("why", "error"),
     "vote_completed_elsewhere": (),  # a survivor whose vote broke commits the step (step) another survivor committed
     "node_lost": ("node", "ranks", "silent_s"),  # machine 0's launcher: another machine's launcher went silent
-    "restarting_all": ("restarts", "failed_ranks", "reason"),  # reason: no_survivor | during_recovery | in_process_off
+    # reason: no_survivor | during_recovery | in_process_off | device_taken (a replacement would share a GPU)
+    "restarting_all": ("restarts", "failed_ranks", "reason"),
     # ResourceAdvisor (step: the global step it was decided at)
     "advice": ("stage", "current", "recommended", "predicted_gain", "applied", "restart", "elapsed_s"),
     "restart": ("how", "pending", "current", "recommended", "command", "config", "kubernetes", "launcher_honours",

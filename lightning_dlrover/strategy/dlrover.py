@@ -51,6 +51,7 @@ from lightning_dlrover.strategy.sharding import (
     distribute,
     plan_sharding,
 )
+from lightning_dlrover.strategy.support import check_device, check_parity_optimizers
 from lightning_dlrover.worker_env import node_range
 
 log = get_logger(__name__)
@@ -61,7 +62,7 @@ class DLRoverStrategy(DDPStrategy):
 
     Args:
         sharding_types: sharding types the planner may use for every table. Default: on CPU (gloo)
-            ``table_wise``, ``column_wise`` and ``table_column_wise``; on GPU every type.
+            ``table_wise``, ``column_wise`` and ``table_column_wise``; on GPU (untested: docs/gpu.md) every type.
         compute_kernel: TorchRec compute kernel of sharded tables (``fused`` applies the tables'
             in-backward optimizer inside the kernel).
         constraints: per-table planner constraints, keyed by table name.
@@ -140,9 +141,12 @@ class DLRoverStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Initialises the process group (a hot spare first waits to be handed a lost rank), and destroys it at
-        interpreter exit."""
-        self.fault.before_process_group()
+        """Refuses what the device cannot run yet (see :mod:`.support`), then initialises the process group (a hot
+        spare first waits to be handed a lost rank), and destroys it at interpreter exit."""
+        device = self.root_device.type
+        check_device(device, FaultManager.transport(self._get_process_group_backend()), self.parity is not None,
+                     FaultManager.under_launch())
+        self.fault.before_process_group(device)
         super().setup_environment()
         before = self.node_rank
         if self.fault.after_process_group(before, self.local_rank, self.num_processes, self._timeout) is not None:
@@ -252,13 +256,19 @@ class DLRoverStrategy(DDPStrategy):
         committed step, from the survivors' shards and parity (a collective on every rank)."""
         self.fault.recover(lost_ranks)
 
-    def check_model(self, module: pl.LightningModule, backend: str | None = None) -> dict[str, Any]:
+    def check_model(self, module: pl.LightningModule, backend: str | None = None,
+                    device_type: str | None = None) -> dict[str, Any]:
         """The planner constraints of ``module``'s tables; raises ``ValueError`` naming the field when the model or
-        the strategy's options cannot run (``backend``: the process group's, by default the one set-up will use).
-        ``lightning-dlrover fit`` calls it before the ranks start, so a bad config fails once, at once."""
-        tables = check_module(module, self.compute_kernel, self.root_device.type)
+        the strategy's options cannot run (``backend``: the process group's, by default the one set-up will use;
+        ``device_type``: the ranks' device type, by default the root device's), also on the device (see
+        :mod:`.support`). ``lightning-dlrover fit`` calls it before the ranks start, so a bad config fails once, at
+        once."""
+        device_type = device_type or self.root_device.type
+        tables = check_module(module, self.compute_kernel, device_type)
+        check_parity_optimizers(module, self.parity is not None)
         backend = backend or self._get_process_group_backend()
         backend = FaultManager.transport(backend)
+        check_device(device_type, backend, self.parity is not None, FaultManager.under_launch())
         default_types = CPU_DEFAULT_SHARDING_TYPES if backend == "gloo" else None
         return build_constraints(
             tables, self.sharding_types or default_types or SHARDING_TYPES, self.compute_kernel, self.constraints, backend

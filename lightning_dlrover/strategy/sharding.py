@@ -113,7 +113,8 @@ def check_module(module: nn.Module, compute_kernel: str, device_type: str) -> di
         raise ValueError(
             f"In-backward optimizers {sorted(set(unsupported.values()))} of {sorted(unsupported)[:3]}... are not "
             f"supported by FBGEMM on CPU; choose one of {list(CPU_FUSED_OPTIMIZERS)} (DLRMModule: "
-            "model.embedding_optimizer: sgd, adagrad or row_wise_adagrad), or train on GPU."
+            "model.embedding_optimizer: sgd, adagrad or row_wise_adagrad), or train on GPU without parity (untested: "
+            "README.md, 'What runs where')."
         )
     return tables
 

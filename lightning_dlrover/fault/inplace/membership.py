@@ -9,6 +9,8 @@ Keys (all under ``lightning_dlrover/<launch>/``, ``<launch>`` counting the launc
   ``ready/<g>/<rank>``: the replacement is connecting generation ``g``; ``rank/<r>``: ``host:pid`` holding ``r``.
 - ``generation``: the newest communicator generation; ``plan/<g>``: the :class:`Plan` that starts
   generation ``g`` (JSON), written by the launcher that saw the loss.
+- ``device``: the device type of the job's ranks when it is not the CPU (``"cuda"``), written by the ranks; a
+  launcher then hands a lost rank to a spare only where the rank's device slot is free (:mod:`.supervisor`).
 - ``node/<n>/beats``: machine ``n``'s launcher's heartbeat counter; ``node/<n>/ranks``: the ranks it holds
   (JSON); ``node/<n>/done``: its ranks finished. The launcher on machine 0 (the store's host) declares a
   machine lost when its counter stops and replaces its ranks with its own spares.
@@ -64,12 +66,14 @@ class Plan:
 
 @dataclass(frozen=True)
 class Assignment:
-    """What a spare becomes: ``rank`` of ``world_size`` in communicator ``generation``."""
+    """What a spare becomes: ``rank`` of ``world_size`` in communicator ``generation``, on device slot ``local_rank``
+    of its machine (``LOCAL_RANK``; ``None``: ``rank % LOCAL_WORLD_SIZE``)."""
 
     rank: int
     world_size: int
     generation: int
     assigned_at: float
+    local_rank: int | None = None
 
 
 def enabled() -> bool:
@@ -85,9 +89,11 @@ def is_joining() -> bool:
 def become(assignment: Assignment) -> None:
     """Makes this spare process the worker ``assignment`` names (the environment Lightning and
     ``init_process_group`` read), joining at generation ``assignment.generation``."""
-    local_world_size = worker_env.local_world_size()
+    local_rank = assignment.local_rank
+    if local_rank is None:
+        local_rank = assignment.rank % worker_env.local_world_size()
     os.environ.update(
-        RANK=str(assignment.rank), LOCAL_RANK=str(assignment.rank % local_world_size),
+        RANK=str(assignment.rank), LOCAL_RANK=str(local_rank),
         WORLD_SIZE=str(assignment.world_size), **{JOINING_ENV: "1", GENERATION_ENV: str(assignment.generation)},
     )
 
@@ -135,13 +141,16 @@ def wait_for_assignment(store: Store, launch: int, index: int) -> Assignment:
 
 
 # ----------------------------------------------------------------------------------- recovery plans
-def publish_plan(store: Store, launch: int, lost: list[int], world_size: int, spares: dict[int, int]) -> Plan:
+def publish_plan(store: Store, launch: int, lost: list[int], world_size: int, spares: dict[int, int],
+                 local_ranks: dict[int, int] | None = None) -> Plan:
     """Starts a new generation of launch ``launch`` that replaces ``lost`` by ``spares`` (``rank -> spare
-    index``), assigns the spares and publishes the plan for the survivors."""
+    index``; ``local_ranks``: the device slot each takes, default ``rank % LOCAL_WORLD_SIZE``), assigns the spares
+    and publishes the plan for the survivors."""
     generation = int(store.add(PREFIX + f"{launch}/generation", 1))
     now = time.time()
     for rank, spare in spares.items():
-        _set(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, world_size, generation, now)))
+        slot = (local_ranks or {}).get(rank)
+        _set(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, world_size, generation, now, slot)))
     plan = Plan(generation, sorted(lost), dict(spares), now)
     _set(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {str(k): v for k, v in spares.items()}})
     return plan
@@ -159,6 +168,18 @@ def wait_for_plan(store: Store, launch: int, generation: int, timeout: float | N
     raw = json.loads(store.get(key))
     raw["replacements"] = {int(k): v for k, v in raw["replacements"].items()}
     return Plan(**raw)
+
+
+# ------------------------------------------------------------------------------------------ devices
+def publish_device(store: Store, launch: int, device_type: str) -> None:
+    """The job's ranks run on ``device_type`` (written by the ranks when it is not the CPU)."""
+    _set(store, f"{launch}/device", device_type)
+
+
+def job_device(store: Store, launch: int) -> str:
+    """The device type the job's ranks said they run on; ``"cpu"`` when none said (CPU ranks say nothing)."""
+    key = f"{launch}/device"
+    return _get(store, key) if store.check([PREFIX + key]) else "cpu"
 
 
 # ------------------------------------------------------------------------------------- sharding plan

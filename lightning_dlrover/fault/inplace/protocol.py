@@ -64,9 +64,19 @@ class JoinTimes:
 
 
 def process_group_backend(requested: str | None) -> str | None:
-    """The backend for ``init_process_group``: the reconfigurable one under ``lightning-dlrover launch``."""
-    if not membership.enabled() or requested not in (None, "gloo", BACKEND):
+    """The backend for ``init_process_group``: the reconfigurable one under ``lightning-dlrover launch``.
+
+    Raises ``ValueError`` under ``launch`` for any other backend (e.g. ``"nccl"``): the reconfigurable world group
+    wraps gloo, and another backend would leave the job without in-process recovery (it used to, silently)."""
+    if not membership.enabled():
         return requested
+    if requested not in (None, "gloo", BACKEND):
+        raise ValueError(
+            f"process_group_backend={requested!r} under `lightning-dlrover launch`: in-process recovery runs on gloo "
+            "only (its world group is a reconfigurable gloo group; recovery under NCCL is designed, not built: see "
+            "docs/gpu.md). Leave process_group_backend unset (or 'gloo') and train on CPU under `launch`, or run the "
+            "job under `torchrun` (a lost rank restarts every worker)."
+        )
     register()
     return BACKEND
 
@@ -101,6 +111,13 @@ def joining() -> bool:
     """Whether this process is a replacement whose set-up runs before it joins the survivors."""
     group = world_group()
     return group is not None and group.joining
+
+
+def announce_device(device_type: str) -> None:
+    """Under ``lightning-dlrover launch``, on a worker whose ranks run on ``device_type`` other than ``"cpu"``: tells the
+    launcher, which then gives a replacement only a free device slot (see :mod:`.supervisor`). Nothing on CPU."""
+    if membership.enabled() and device_type != "cpu" and not os.environ.get(membership.SPARE_ENV):
+        membership.publish_device(membership.connect(), restart_count(), device_type)
 
 
 def take_rank_if_spare() -> membership.Assignment | None:

@@ -12,6 +12,11 @@ or the newest checkpoint. Workers see the same environment ``torchrun`` gives th
 A machine lost with its launcher is noticed by the launcher on machine 0 (the store's host): every launcher
 beats a counter in the store, and when one stops for ``--node-timeout`` seconds machine 0 hands that
 machine's ranks to its own spares, as for a lost process. Losing machine 0 loses the store: the job fails.
+
+A replacement takes the lost rank's device slot (``LOCAL_RANK``: with GPUs, the device) when no live rank on this
+machine holds it. On CPU a slot can be shared (a lost machine's ranks run beside machine 0's); when the job's ranks
+said they run on GPUs (:func:`.membership.publish_device`) a replacement that would share a GPU is refused
+(``in_process_refused`` with ``why`` ``device_taken``) and every worker restarts instead (:meth:`Supervisor.shared_devices`).
 """
 
 from __future__ import annotations
@@ -140,10 +145,31 @@ class Supervisor:
             worker.process.wait()
         self.workers = []
 
+    def device_slots(self, lost: list[int]) -> dict[int, int | None]:
+        """The device slot (``LOCAL_RANK``) each of the ``lost`` ranks' replacements takes on this machine: the lost
+        rank's own slot (``rank % nproc_per_node``) when no live rank here (or earlier in ``lost``) holds it, else
+        ``None``: a rank of a lost machine finds its slot taken by this machine's rank of the same local index."""
+        n = self.args.nproc_per_node
+        held = {w.rank % n for w in self.workers
+                if w.rank is not None and w.rank not in lost and w.process.poll() is None}
+        slots: dict[int, int | None] = {}
+        for rank in sorted(lost):
+            slots[rank] = None if rank % n in held else rank % n
+            held.add(rank % n)
+        return slots
+
+    def shared_devices(self, lost: list[int]) -> dict[int, int]:
+        """``{lost rank: its device slot}`` for each lost rank whose replacement here would share a GPU with a live
+        rank, when the job's ranks run on GPUs; ``{}`` on CPU, where sharing a slot costs only speed."""
+        if membership.job_device(self.store, self.restarts) == "cpu":
+            return {}
+        return {rank: rank % self.args.nproc_per_node for rank, slot in self.device_slots(lost).items() if slot is None}
+
     def replace(self, lost: list[int]) -> int:
         """Hands the ``lost`` ranks (this machine's dead workers' or a lost machine's) to this machine's spares
         (the oldest first; a new process where none is left), publishes the recovery plan for the survivors and
         refills the pool of hot spares; returns its generation."""
+        slots = {rank: slot for rank, slot in self.device_slots(lost).items() if slot is not None}
         self.workers = [w for w in self.workers if w.rank not in lost]
         idle = [w for w in self.workers if w.rank is None and w.process.poll() is None]
         replacements: dict[int, int] = {}
@@ -157,7 +183,8 @@ class Supervisor:
             spare.rank = rank
             replacements[rank] = spare.spare
             membership.publish_worker(self.store, self.restarts, rank, socket.gethostname(), spare.process.pid)
-        plan = membership.publish_plan(self.store, self.restarts, sorted(replacements), self.world_size, replacements)
+        plan = membership.publish_plan(self.store, self.restarts, sorted(replacements), self.world_size, replacements,
+                                       slots)
         self.publish_ranks()
         for _ in range(len(replacements) - len(cold)):  # keep this machine's pool of hot spares full
             self.spawn(None, 0)
@@ -226,15 +253,22 @@ class Supervisor:
                     failed = sorted({*failed, *self.failed_ranks()})
                 # ranks on other machines survive unless their own launcher says otherwise: this one sees only its own
                 survivors = self.world_size - len(failed)
+                shared: dict[int, int] = {}
                 if survivors > 0 and not recent and not self.args.no_in_process:
-                    recovering = self.replace(failed)
-                    continue
+                    if not (shared := self.shared_devices(failed)):
+                        recovering = self.replace(failed)
+                        continue
+                    emit("in_process_refused", why="device_taken", error=None,
+                         message=f"lost ranks {sorted(shared)} would share the GPUs of this machine's ranks on device "
+                         f"slots {sorted(set(shared.values()))}: not replacing them in process")
                 if self.restarts >= self.args.max_restarts:
                     return 1
-                reason = "no_survivor" if not survivors else "during_recovery" if recent else "in_process_off"
+                reason = ("no_survivor" if not survivors else "during_recovery" if recent
+                          else "device_taken" if shared else "in_process_off")
                 emit("restarting_all", restarts=self.restarts + 1, failed_ranks=failed, reason=reason,
                      message=f"ranks {failed} failed "
-                     + ("with no survivor" if not survivors else "during in-process recovery" if recent else "")
+                     + ("with no survivor" if not survivors else "during in-process recovery" if recent
+                        else "and their GPUs are taken here" if shared else "")
                      + ": restarting every worker")
                 self.stop(grace=self.args.stop_grace)
                 self.restarts += 1
