@@ -129,3 +129,18 @@ def test_every_collective_names_its_plane():
                     and not any(k.arg == "group" for k in node.keywords)):
                 unnamed[str(path.relative_to(PACKAGE))].append(node.lineno)
     assert not unnamed, f"collectives without group= (see lightning_dlrover/control_plane.py): {dict(unnamed)}"
+
+
+def test_the_strategy_reaches_fault_tolerance_through_the_fault_manager():
+    """``strategy/`` imports ``lightning_dlrover.fault`` (FaultManager, ParityConfig, FaultInjector, Host) only, apart
+    from types under ``TYPE_CHECKING``: the rooms inside ``fault/`` can move without touching the strategy."""
+    reaches: dict[str, set[str]] = defaultdict(set)
+    for path in sorted((PACKAGE / "strategy").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_dlrover.fault.")
+                    and id(node) not in typing_only):
+                reaches[path.name].add(node.module)
+    assert not reaches, f"the strategy imports fault/ internals (go through FaultManager): {dict(reaches)}"
