@@ -33,15 +33,8 @@ from lightning_dlrover.fault.coding.undo_log import UndoLog
 from lightning_dlrover.parity import ReedSolomonCode, as_bytes, cuda
 from lightning_dlrover.parity import cpu as gf_cpu
 from tests.conftest import exit_rank
+from tests.gpu import requires_gpu
 
-if not torch.cuda.is_available():
-    GPU_SKIP_REASON = "no CUDA device (torch.cuda.is_available() is False)"
-elif not cuda.available():
-    GPU_SKIP_REASON = "CuPy is not installed or sees no GPU (pip install cupy-cuda12x or cupy-cuda13x)"
-else:
-    GPU_SKIP_REASON = ""
-
-requires_gpu = pytest.mark.skipif(bool(GPU_SKIP_REASON), reason=GPU_SKIP_REASON)
 CPU_MODES = ["native", "torch", "portable"]
 
 

@@ -16,15 +16,7 @@ import pytest
 import torch
 
 from lightning_dlrover.parity import ReedSolomonCode, as_bytes, cuda, gf256
-
-if not torch.cuda.is_available():
-    GPU_SKIP_REASON = "no CUDA device (torch.cuda.is_available() is False)"
-elif not cuda.available():
-    GPU_SKIP_REASON = "CuPy is not installed or sees no GPU (pip install cupy-cuda12x or cupy-cuda13x)"
-else:
-    GPU_SKIP_REASON = ""
-
-requires_gpu = pytest.mark.skipif(bool(GPU_SKIP_REASON), reason=GPU_SKIP_REASON)
+from tests.gpu import requires_gpu
 
 
 def random_bytes(*shape: int, seed: int = 0) -> torch.Tensor:
