@@ -62,8 +62,3 @@ def group() -> dist.ProcessGroup | None:
     if dist.is_initialized() and _made_for is not dist.group.WORLD:
         init()
     return _group
-
-
-def is_separate() -> bool:
-    """Whether the control plane is a group of its own (not the default group)."""
-    return group() is not None
