@@ -146,3 +146,18 @@ def test_plot_marks_node_losses(tmp_path):
         assert xs == [0.0, *sorted(f for _, _, f in r.completions)] and ys == list(range(len(xs)))
     plot(results, str(tmp_path / "p.png"), "t", devices=8)
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulate_refuses_what_it_cannot_run():
+    """The library refuses too (a duplicate name used to make a job vanish; a job with too few ranks crashed)."""
+    from lightning_dlrover.elastic.profile import Profile
+    from lightning_dlrover.elastic.simulator import TraceJob
+    from lightning_dlrover.elastic.simulator import simulate as run_policy
+    from lightning_dlrover.elastic.trace import TraceError
+
+    prof = Profile({16: 0.02, 128: 0.025}, 0.002, {64: 3e4, 128: 3.4e4, 1024: 1.2e5}, 128, {})
+    twice = [TraceJob("a", 0.0, 1.0, (64, 1024), 128, 8), TraceJob("a", 5.0, 1.0, (64, 1024), 128, 8)]
+    with pytest.raises(TraceError, match="job 'a': job name 'a' is used twice; names must be unique"):
+        run_policy(twice, prof, "goodput", 8, 100)
+    with pytest.raises(TraceError, match="max_ranks 2 is below --nproc-per-node 4"):
+        run_policy([TraceJob("b", 0.0, 1.0, (64, 1024), 128, 2)], prof, "goodput", 8, 100, nproc_per_node=4)
