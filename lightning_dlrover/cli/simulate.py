@@ -132,47 +132,50 @@ def format_table(results: list[SimResult], trace: str) -> str:
 @dataclass
 class PlotData:
     """What the plot draws: per policy the step curve of jobs completed (``(times, counts)``), the times a node
-    was lost or came back, and the spans the cluster had fewer devices than ``--devices`` (shaded)."""
+    was lost or came back, and the spans the cluster had fewer devices than at the start (shaded)."""
 
     curves: dict[str, tuple[list[float], list[int]]]
     node_losses: list[float]
     node_returns: list[float]
     down: list[tuple[float, float]]
+    devices: int
 
 
-def plot_data(results: list[SimResult], devices: int) -> PlotData:
+def plot_data(results: list[SimResult]) -> PlotData:
     """The :class:`PlotData` of ``results`` (node changes are the same for every policy: taken from the first)."""
     curves = {}
     for r in results:
         finishes = sorted(f for _, _, f in r.completions)
         curves[r.policy] = ([0.0, *finishes], list(range(len(finishes) + 1)))
+    capacity = results[0].capacity if results else []
+    devices = capacity[0][1] if capacity else 0
     losses, returns, down, start, up = [], [], [], None, devices
-    for time, capacity in results[0].capacity if results else []:
-        (losses if capacity < up else returns).append(time)
-        if capacity < devices and start is None:
+    for time, devices_up in capacity[1:]:
+        (losses if devices_up < up else returns).append(time)
+        if devices_up < devices and start is None:
             start = time
-        elif capacity >= devices and start is not None:
+        elif devices_up >= devices and start is not None:
             down.append((start, time))
             start = None
-        up = capacity
+        up = devices_up
     if start is not None:
         down.append((start, results[0].horizon_s))
-    return PlotData(curves, losses, returns, down)
+    return PlotData(curves, losses, returns, down, devices)
 
 
-def plot(results: list[SimResult], path: str, title: str, devices: int) -> None:
+def plot(results: list[SimResult], path: str, title: str) -> None:
     """A PNG at ``path`` of :func:`plot_data`: jobs completed over time, node losses marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = plot_data(results, devices)
+    data = plot_data(results)
     fig, ax = plt.subplots(figsize=(6, 4))
     for policy, (xs, ys) in data.curves.items():
         ax.step(xs, ys, where="post", label=policy)
     for i, (start, end) in enumerate(data.down):
-        ax.axvspan(start, end, color="grey", alpha=0.15, lw=0, label=None if i else f"< {devices} devices")
+        ax.axvspan(start, end, color="grey", alpha=0.15, lw=0, label=None if i else f"< {data.devices} devices")
     for i, t in enumerate(data.node_losses):
         ax.axvline(t, color="red", ls="--", lw=0.8, label=None if i else "node lost")
     for i, t in enumerate(data.node_returns):
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args, trace)
     print(format_table(results, Path(args.trace).stem))
     if args.plot:
-        plot(results, args.plot, f"{args.trace} trace, {args.devices} devices", args.devices)
+        plot(results, args.plot, f"{args.trace} trace, {args.devices} devices")
     if args.json:
         Path(args.json).write_text(json.dumps([r.summary() for r in results], indent=1))
     if args.decisions:

@@ -80,7 +80,7 @@ class SimResult:
     completions: list[tuple[str, float, float]] = field(default_factory=list)  # (job, arrival, finish)
     decisions: list[Decision] = field(default_factory=list)
     restarts: int = 0
-    capacity: list[tuple[float, int]] = field(default_factory=list)  # (time, devices up) after each node change
+    capacity: list[tuple[float, int]] = field(default_factory=list)  # (time, devices up): at 0, after each change
 
     def summary(self) -> dict:
         out = asdict(self)
@@ -122,7 +122,7 @@ def simulate(trace: list[TraceJob], profile: Profile, policy: str, devices: int,
     arrivals = list(trace)
     changes = sorted(node_losses or [])
     active: dict[str, _Running] = {}
-    result = SimResult(policy, 0, len(trace), None, horizon_s)
+    result = SimResult(policy, 0, len(trace), None, horizon_s, capacity=[(0.0, devices)])
     t, capacity = 0.0, devices
     keep = max(0.0, 1.0 - restart_s / reallocation_s)
 

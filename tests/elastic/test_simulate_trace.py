@@ -138,13 +138,13 @@ def test_plot_marks_node_losses(tmp_path):
     losses = [(100.0, -2), (150.0, -2), (400.0, 2), (450.0, 2), (5000.0, -2)]  # the last is past the horizon
     results = [run_policy(synthetic_trace(6, seed=1, interarrival_s=50), prof, policy, 8, 1000, node_losses=losses,
                           nproc_per_node=2) for policy in ("fixed", "goodput")]
-    data = plot_data(results, devices=8)
+    data = plot_data(results)
     assert data.node_losses == [100.0, 150.0] and data.node_returns == [400.0, 450.0]
-    assert data.down == [(100.0, 450.0)]  # shaded while the cluster is short of devices
+    assert data.down == [(100.0, 450.0)] and data.devices == 8  # shaded while the cluster is short of devices
     for r in results:
         xs, ys = data.curves[r.policy]
         assert xs == [0.0, *sorted(f for _, _, f in r.completions)] and ys == list(range(len(xs)))
-    plot(results, str(tmp_path / "p.png"), "t", devices=8)
+    plot(results, str(tmp_path / "p.png"), "t")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
