@@ -1,10 +1,11 @@
 """Trace-driven simulation of a cluster shared by DLRM jobs under three allocation policies.
 
-Jobs arrive from a trace; each needs ``work x samples_needed(B)`` training samples at global batch ``B``
-(the convergence curve measured from our DLRM, :class:`~lightning_dlrover.elastic.profile.Profile`), and runs
-at ``throughput(ranks, B)`` samples/s (measured step times plus a ring all-reduce). On every arrival,
-completion and node loss or return, the allocator (:func:`~lightning_dlrover.elastic.allocate`) re-divides the
-devices. Policies differ only in the value they give the allocator for a job at ``(ranks, B)``:
+Jobs arrive from a trace (:mod:`lightning_dlrover.elastic.trace`); each needs ``work x samples_needed(B)``
+training samples at global batch ``B`` (the convergence curve measured from our DLRM,
+:class:`~lightning_dlrover.elastic.profile.Profile`), and runs at ``throughput(ranks, B)`` samples/s (measured
+step times plus a ring all-reduce). On every arrival, completion and node loss or return, the allocator
+(:func:`~lightning_dlrover.elastic.allocate`) re-divides the devices. Policies differ only in the value they
+give the allocator for a job at ``(ranks, B)``:
 
 * ``fixed``: the job's base batch only; value = its rate of progress there (scaling GPUs at a fixed batch,
   the paper's baseline);
@@ -21,31 +22,18 @@ of ``batch_step`` in range. Deterministic for a seed.
 
 from __future__ import annotations
 
-import json
 import math
-from functools import lru_cache
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from functools import lru_cache
 
 import numpy as np
 
 from lightning_dlrover.elastic.allocator import Job, allocate
 from lightning_dlrover.elastic.profile import Profile
+from lightning_dlrover.elastic.trace import TraceError, TraceJob, TraceProblem, check_fit
 
 POLICIES = ("fixed", "dp", "goodput")
-
-
-@dataclass(frozen=True)
-class TraceJob:
-    """One job of a trace: arrival time (s), size (``work``: multiples of one profiled training run), batch range,
-    base batch (the batch its LR was tuned for, used by ``fixed``) and the most ranks it may use."""
-
-    name: str
-    arrival: float
-    work: float
-    batch_range: tuple[int, int]
-    base_batch: int
-    max_ranks: int
+BATCH_STEP = 32  # candidate batches are multiples of this in a job's range (and the range's ends)
 
 
 def synthetic_trace(jobs: int = 40, seed: int = 0, interarrival_s: float = 30.0, work: float = 100.0) -> list[TraceJob]:
@@ -70,21 +58,6 @@ def bursty_trace(jobs: int = 40, seed: int = 0, interarrival_s: float = 30.0, wo
     return sorted(out, key=lambda j: j.arrival)
 
 
-def load_trace(path: str | Path) -> list[TraceJob]:
-    """A trace file: JSON lines with the fields of :class:`TraceJob` (``batch_range`` as a two-item list)."""
-    jobs = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if line.strip():
-            raw = json.loads(line)
-            try:
-                jobs.append(TraceJob(raw["name"], float(raw["arrival"]), float(raw.get("work", 1.0)),
-                                     tuple(raw.get("batch_range", (64, 1024))), int(raw.get("base_batch", 128)),
-                                     int(raw.get("max_ranks", 8))))
-            except KeyError as err:
-                raise ValueError(f"{path}:{number}: trace job lacks field {err}; needs name and arrival.") from None
-    return sorted(jobs, key=lambda j: j.arrival)
-
-
 @dataclass(frozen=True)
 class Decision:
     """An allocation change of one job: at ``time`` it runs on ``ranks`` at ``global_batch`` (0 ranks: waits)."""
@@ -107,10 +80,11 @@ class SimResult:
     completions: list[tuple[str, float, float]] = field(default_factory=list)  # (job, arrival, finish)
     decisions: list[Decision] = field(default_factory=list)
     restarts: int = 0
+    capacity: list[tuple[float, int]] = field(default_factory=list)  # (time, devices up): at 0, after each change
 
     def summary(self) -> dict:
         out = asdict(self)
-        out.pop("completions"), out.pop("decisions")
+        out.pop("completions"), out.pop("decisions"), out.pop("capacity")
         return out
 
 
@@ -135,14 +109,20 @@ def node_loss_schedule(seed: int, horizon: float, mean_between_s: float, down_s:
 
 def simulate(trace: list[TraceJob], profile: Profile, policy: str, devices: int, horizon_s: float,
              restart_s: float = 20.0, node_losses: list[tuple[float, int]] | None = None,
-             nproc_per_node: int = 1, reallocation_s: float = 120.0, batch_step: int = 32) -> SimResult:
+             nproc_per_node: int = 1, reallocation_s: float = 120.0, batch_step: int = BATCH_STEP) -> SimResult:
     """Runs ``trace`` under ``policy`` (see the module docs) until ``horizon_s``."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is unknown; choose one of {list(POLICIES)}.")
+    problems = check_fit(trace, nproc_per_node, batch_step, [policy]) if nproc_per_node >= 1 else [
+        TraceProblem("nproc_per_node", f"{nproc_per_node} is not a positive device count", "give 1 or more")]
+    if devices < 0:
+        problems.append(TraceProblem("devices", f"{devices} is negative", "give 0 or more devices"))
+    if problems:
+        raise TraceError(problems)
     arrivals = list(trace)
     changes = sorted(node_losses or [])
     active: dict[str, _Running] = {}
-    result = SimResult(policy, 0, len(trace), None, horizon_s)
+    result = SimResult(policy, 0, len(trace), None, horizon_s, capacity=[(0.0, devices)])
     t, capacity = 0.0, devices
     keep = max(0.0, 1.0 - restart_s / reallocation_s)
 
@@ -194,6 +174,7 @@ def simulate(trace: list[TraceJob], profile: Profile, policy: str, devices: int,
             active[job.name] = _Running(job)
         elif changes and changes[0][0] <= t:
             capacity += changes.pop(0)[1]
+            result.capacity.append((t, capacity))
         else:
             break
         reallocate()

@@ -7,8 +7,9 @@ import pytest
 from lightning_dlrover.cli.simulate import cluster_actions, main
 from lightning_dlrover.elastic.profile import Profile
 from lightning_dlrover.elastic.simulator import (
-    Decision, TraceJob, bursty_trace, load_trace, node_loss_schedule, simulate, synthetic_trace,
+    Decision, TraceJob, bursty_trace, node_loss_schedule, simulate, synthetic_trace,
 )
+from lightning_dlrover.elastic.trace import TraceError, load_trace
 
 # curves of the shape measured on our DLRM: per-step overhead, samples needed growing with the batch
 PROFILE = Profile({16: 0.02, 128: 0.025, 1024: 0.06}, 0.002, {64: 3e4, 128: 3.4e4, 256: 4.5e4, 512: 7e4, 1024: 1.2e5},
@@ -63,10 +64,11 @@ def test_trace_file_cluster_actions_and_cli(tmp_path):
     trace = load_trace(path)
     assert [j.name for j in trace] == ["j0", "j1", "j2", "j3", "j4"] and trace[0].batch_range == (64, 1024)
     (tmp_path / "bad.jsonl").write_text('{"arrival": 1}\n')
-    with pytest.raises(ValueError, match="lacks field 'name'"):
+    with pytest.raises(TraceError, match="bad.jsonl:1: the job lacks field 'name'"):
         load_trace(tmp_path / "bad.jsonl")
     action = cluster_actions(Decision(1.0, "j0", 4, 256), TraceJob("j0", 0, 1, (64, 512), 128, 8), 2)
-    assert action["torchrun"].startswith("torchrun --nnodes 1:4 --nproc-per-node 2")
+    assert action["torchrun"].startswith("torchrun --nnodes 2 --nproc-per-node 2")  # the 4 ranks decided
+    assert action["pytorchjob"]["spec"]["elasticPolicy"] == {"minReplicas": 1, "maxReplicas": 4}
     assert action["pytorchjob"]["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
     assert action["elasticjob"]["spec"]["replicaSpecs"]["worker"]["replicas"] == 2
     profile = tmp_path / "profile.json"
