@@ -192,7 +192,7 @@ def plot(path: str | Path, model: PerformanceModel, shape: JobShape, cores: int,
                          label="held out (leave-one-out)")
         left.set_xlim(0, top)
         left.set_ylim(0, top)
-        left.legend(loc="upper left", fontsize=8)
+        left.legend(loc="lower right", fontsize=8)
     else:
         left.text(0.5, 0.5, "no measured configuration", ha="center", va="center", transform=left.transAxes)
     left.set_title(data.left_title, fontsize=8, wrap=True)

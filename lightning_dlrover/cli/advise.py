@@ -22,7 +22,7 @@ import yaml
 
 from lightning_dlrover.advisor.control import restart_instructions
 from lightning_dlrover.advisor.history import JobHistory, resolve_url
-from lightning_dlrover.advisor.report import plot
+from lightning_dlrover.advisor.report import fit_errors, plot
 from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
 from lightning_dlrover.advisor.restart import resume_program
 from lightning_dlrover.advisor.signature import JobSignature, signature_of
@@ -164,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {p.config.short():>36}  {p.samples_per_sec:10.0f} samples/s predicted{mark}")
         print(f"recommended: {rec.best.config.short()} ({rec.gain:.2f}x the current configuration; {rec.reason})")
         if args.plot is not None:
+            errors = fit_errors(found.model, found.observations)
             plot(args.plot, found.model, signature.shape(), machine.cores, found.observations, rec,
-                 f"advise: {args.config.name}", measured_label="similar past jobs' measurements")
-            print(f"plot: {args.plot}")
+                 f"advise: {args.config.name}", errors, "similar past jobs' measurements")
+            print(f"plot: {args.plot} ({len(found.observations)} measured configurations of similar past jobs; "
+                  f"{errors.text()})")
     elif args.plot is not None:
         print(f"no plot: {found.message}")
     if found.config is not None:
