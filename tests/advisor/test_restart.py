@@ -77,10 +77,10 @@ def _parsed(command: str, capsys, monkeypatch) -> dict:
 
     argv = shlex.split(command)
     args = argv[argv.index("lightning_dlrover") + 1:]
-    monkeypatch.setattr("sys.argv", ["lightning-dlrover", *args])  # as the resumed process sees it
+    monkeypatch.setattr("sys.argv", ["lightning-dlrover", *args, "--print_config"])  # as that process sees it
     capsys.readouterr()
     with pytest.raises(SystemExit) as done:
-        main([*args, "--print_config"])
+        main()
     assert done.value.code in (0, None)
     return yaml.safe_load(capsys.readouterr().out)
 
