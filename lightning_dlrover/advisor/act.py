@@ -62,7 +62,8 @@ class Actor:
     def act(self, trainer: Trainer, target: ResourceConfig, stage: str, recommendation: Recommendation | None,
             start_time: float) -> None:
         """Applies ``target``'s live knobs (if ``apply``), prints what needs a restart, records an event."""
-        if target == self.current:
+        if target == self.current:  # the final word: an earlier stage's restart no longer applies
+            self.restart, self.restart_text = None, ""
             if trainer.is_global_zero:
                 rank_zero_report(log, f"ResourceAdvisor ({stage}): keep {target.short()}")
             return

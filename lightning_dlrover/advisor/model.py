@@ -218,6 +218,8 @@ class PerformanceModel:
     world_sizes: tuple[int, int] | None = None
     workers: tuple[int, int] | None = None
     fitted_on: int = 0
+    #: The observations of the last :meth:`fit` (for held-out errors: refit without one, predict it).
+    observations: tuple[Observation, ...] = field(default=(), repr=False)
 
     def fit(self, observations: Iterable[Observation]) -> PerformanceModel:
         """Fits every part on ``observations`` (at least one); returns ``self``."""
@@ -262,6 +264,7 @@ class PerformanceModel:
         workers = [o.config.data_workers for o in obs] + (list(prior.workers) if prior and prior.workers else [])
         self.world_sizes, self.workers = (min(sizes), max(sizes)), (min(workers), max(workers))
         self.fitted_on = len(obs)
+        self.observations = tuple(obs)
         return self
 
     def _make_s(self, c: ResourceConfig, cores: float, u: float) -> float:

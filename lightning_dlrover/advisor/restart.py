@@ -101,7 +101,7 @@ def decide_restart(current: ResourceConfig, target: ResourceConfig, callbacks: A
     if not pending:
         return None
     stopping = mode == "stop" and checkpoint is not None
-    resume = [*program, f"--ckpt_path={checkpoint}"] if stopping else program
+    resume = resume_program(program, current, target, checkpoint if stopping else None)
     max_nodes = node_range[1] if node_range else None
     honours = bool(node_range and set(pending) <= {"nodes"} and node_range[0] <= target.nodes < current.nodes)
     return RestartDecision(
@@ -109,6 +109,52 @@ def decide_restart(current: ResourceConfig, target: ResourceConfig, callbacks: A
         command=control.torchrun_command(target, resume, max_nodes), config=control.config_changes(current, target),
         kubernetes=control.kubernetes_patch(current, target, 1.0), launcher_honours=honours,
         stop_nodes=tuple(range(target.nodes, current.nodes)) if honours else (), checkpoint=checkpoint if stopping else None)
+
+
+#: ``lightning-dlrover`` / LightningCLI subcommands whose command line takes ``--trainer.*`` / ``--data.*`` keys.
+_CLI_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def is_lightning_cli(program: list[str]) -> bool:
+    """Whether ``program`` (as from :func:`program_argv`) is ``lightning-dlrover fit`` (``-m lightning_dlrover`` or
+    the entry point) or another LightningCLI program given a ``--config``, so that its command line takes the
+    config keys of :func:`~lightning_dlrover.advisor.control.config_changes`."""
+    if program[:1] == ["-m"]:
+        script, rest = program[1:2], program[2:]
+    else:
+        script, rest = program[:1], program[1:]
+    if not script or not rest or rest[0] not in _CLI_SUBCOMMANDS:
+        return False
+    ours = script[0] == "lightning_dlrover" or Path(script[0]).name == "lightning-dlrover"
+    return ours or any(a == "--config" or a.startswith("--config=") for a in rest)
+
+
+def _without(program: list[str], keys: set[str]) -> list[str]:
+    """``program`` without the options ``keys`` (``--key=value`` or ``--key value``)."""
+    out, skip = [], False
+    for arg in program:
+        if skip:
+            skip = False
+        elif arg in keys:
+            skip = True
+        elif arg.split("=", 1)[0] not in keys:
+            out.append(arg)
+    return out
+
+
+def resume_program(program: list[str], current: ResourceConfig, target: ResourceConfig,
+                   checkpoint: str | None = None) -> list[str]:
+    """``program`` for a restart with ``target``: with ``--ckpt_path=checkpoint`` (replacing an earlier one) and,
+    for a LightningCLI program (:func:`is_lightning_cli`), the keys the change needs (``--data.global_batch_size``,
+    ``--trainer.devices``, ``--trainer.num_nodes``) in place of those it had, so that the resumed job runs the
+    recommended global batch, not the checkpoint's config's."""
+    args: list[str] = []
+    if is_lightning_cli(program):
+        args = [f"--{k}={v}" for k, v in control.config_changes(current, target).items() if k.count(".") == 1
+                and " " not in k]
+    keys = {a.split("=", 1)[0] for a in args} | ({"--ckpt_path"} if checkpoint else set())
+    resume = [*_without(program, keys), *args]
+    return [*resume, f"--ckpt_path={checkpoint}"] if checkpoint else resume
 
 
 def program_argv() -> list[str]:

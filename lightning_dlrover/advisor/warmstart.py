@@ -115,7 +115,8 @@ def warm_start(history: JobHistory, signature: JobSignature, current: ResourceCo
     if own:
         best = max(own, key=lambda o: o.samples_per_sec)
         config = best.config.with_(batch_per_rank=current.batch_per_rank) if space.batch_per_rank is None else best.config
+        start = "" if config == best.config else f"; starting from {config.short()} (the job's own batch)"
         return WarmStart(tuple(jobs), tuple(observations), None, None, config,
-                         f"{lead}; too few configurations to fit ({len(configs)}); starting from its fastest: "
-                         f"{config.short()} ({best.samples_per_sec:.0f} samples/s measured)", failed)
+                         f"{lead}; too few configurations to fit ({len(configs)}); its fastest measured: "
+                         f"{best.config.short()} ({best.samples_per_sec:.0f} samples/s){start}", failed)
     return WarmStart(tuple(jobs), tuple(observations), None, None, None, f"{lead}; it has no measurements", failed)

@@ -5,7 +5,8 @@
     lightning-dlrover advise --config configs/demo.yaml --objective cost --target 20000 --nodes 1:4
 
 The recommendation comes from the measurements of similar past jobs (warm start): the model is fitted on them
-and every configuration of the search space is predicted. Nothing is trained.
+and every configuration of the search space is predicted. Nothing is trained. Without ``--history``, the history
+is the one the config's ``ResourceAdvisor`` writes to (its ``history:``), else the user-wide one.
 """
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ import yaml
 
 from lightning_dlrover.advisor.control import restart_instructions
 from lightning_dlrover.advisor.history import JobHistory, resolve_url
-from lightning_dlrover.advisor.report import plot
+from lightning_dlrover.advisor.report import fit_errors, plot
 from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
+from lightning_dlrover.advisor.restart import resume_program
 from lightning_dlrover.advisor.signature import JobSignature, signature_of
 from lightning_dlrover.advisor.warmstart import warm_start
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="lightning-dlrover advise", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--history", default="user",
-                        help="job history: 'user' (default: $LIGHTNING_DLROVER_HISTORY or ~/.cache/lightning_dlrover/"
-                             "history.sqlite), a file path or an SQLAlchemy URL")
+    parser.add_argument("--history", default=None,
+                        help="job history: 'user' ($LIGHTNING_DLROVER_HISTORY or ~/.cache/lightning_dlrover/"
+                             "history.sqlite), a file path or an SQLAlchemy URL (default: the --config's ResourceAdvisor "
+                             "history, else 'user')")
     parser.add_argument("--config", type=Path, default=None, help="a `lightning-dlrover fit` config to advise on")
     parser.add_argument("--list", type=int, default=20, metavar="N", help="list the newest N jobs (0: none)")
     parser.add_argument("--objective", choices=("throughput", "cost"), default="throughput")
@@ -76,6 +79,25 @@ def _section(config: dict, key: str) -> tuple[str | None, dict]:
     return None, dict(value)
 
 
+def history_of_config(path: Path) -> tuple[str | None, str]:
+    """The job history a LightningCLI config's ``ResourceAdvisor`` writes to, as an SQLAlchemy URL (``None`` when its
+    ``history`` is null), and where that came from. ``run`` resolves under the config's ``trainer.default_root_dir``
+    (relative to the working directory, as for ``fit``); a config without an advisor, or an advisor without
+    ``history``, means ``user`` (the advisor's default)."""
+    config = yaml.safe_load(path.read_text()) or {}
+    trainer = config.get("trainer") or {}
+    for callback in trainer.get("callbacks") or []:
+        if isinstance(callback, dict) and str(callback.get("class_path", "")).rpartition(".")[2] == "ResourceAdvisor":
+            args = callback.get("init_args") or {}
+            if "history" not in args:
+                break
+            if args["history"] is None:
+                return None, f"{path}: ResourceAdvisor history: null"
+            root = trainer.get("default_root_dir") or os.getcwd()
+            return resolve_url(str(args["history"]), root), f"{path}: ResourceAdvisor history: {args['history']}"
+    return resolve_url("user"), "user (the ResourceAdvisor's default)"
+
+
 def job_from_config(path: Path, machine: Machine) -> tuple[JobSignature, ResourceConfig, list[str]]:
     """The signature and resources of the job a LightningCLI config describes (the model is built with its tables
     on the meta device: no memory, no training)."""
@@ -104,8 +126,19 @@ def job_from_config(path: Path, machine: Machine) -> tuple[JobSignature, Resourc
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.history is not None:
+        url: str | None = resolve_url(args.history)
+    elif args.config is not None:
+        url, origin = history_of_config(args.config)
+        if url is None:
+            print(f"lightning-dlrover advise: {origin}: the job keeps no history to advise from; give --history "
+                  "(user, a file path or an SQLAlchemy URL).", file=sys.stderr)
+            return 2
+        print(f"job history from {origin}")
+    else:
+        url = resolve_url("user")
     try:
-        history = JobHistory(resolve_url(args.history))
+        history = JobHistory(url)
     except ValueError as err:
         print(f"lightning-dlrover advise: {err}", file=sys.stderr)
         return 2
@@ -131,9 +164,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {p.config.short():>36}  {p.samples_per_sec:10.0f} samples/s predicted{mark}")
         print(f"recommended: {rec.best.config.short()} ({rec.gain:.2f}x the current configuration; {rec.reason})")
         if args.plot is not None:
-            plot(args.plot, found.model, signature.shape(), machine.cores, [], rec, f"advise: {args.config.name}")
-            print(f"plot: {args.plot}")
+            errors = fit_errors(found.model, found.observations)
+            plot(args.plot, found.model, signature.shape(), machine.cores, found.observations, rec,
+                 f"advise: {args.config.name}", errors, "similar past jobs' measurements")
+            print(f"plot: {args.plot} ({len(found.observations)} measured configurations of similar past jobs; "
+                  f"{errors.text()})")
+    elif args.plot is not None:
+        print(f"no plot: {found.message}")
     if found.config is not None:
-        text = restart_instructions(current, found.config, [], program)
+        text = restart_instructions(current, found.config, [], resume_program(program, current, found.config))
         print(text or "the config already uses the recommended resources")
     return 0

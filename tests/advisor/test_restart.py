@@ -65,3 +65,39 @@ def test_job_stops_at_a_checkpoint_and_resumes_from_it_on_fewer_ranks(tmp_path):
                   "--ckpt_path", r["checkpoint"]], tmp_path, timeout=300)
     assert "Restored all states from the checkpoint" in second.stdout, second.stdout[-3000:]
     assert "FINAL_STEP 12 world_size 1" in second.stdout
+
+
+def _parsed(command: str, capsys, monkeypatch) -> dict:
+    """The config ``lightning-dlrover fit`` parses from the printed command's arguments (its ``--print_config``)."""
+    import shlex
+
+    import yaml
+
+    from lightning_dlrover.cli import main
+
+    argv = shlex.split(command)
+    args = argv[argv.index("lightning_dlrover") + 1:]
+    monkeypatch.setattr("sys.argv", ["lightning-dlrover", *args, "--print_config"])  # as that process sees it
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_resume_command_carries_the_recommended_global_batch_through_the_cli(capsys, monkeypatch):
+    config = str(REPO / "configs" / "demo.yaml")  # devices: 3, data.global_batch_size: 768
+    current = ResourceConfig(1, 3, 1, 0, 256)
+    target = ResourceConfig(1, 2, 2, 0, 64)  # fewer ranks and a smaller batch: global batch 128
+    program = ["-m", "lightning_dlrover", "fit", "--config", config, "--data.global_batch_size=768",
+               "--ckpt_path", "/r/older.ckpt"]  # a job resumed once already, its batch given on the command line
+    d = decide_restart(current, target, [], program, mode="stop", checkpoint="/r/x.ckpt")
+    assert d.command.startswith("OMP_NUM_THREADS=2 torchrun --nnodes 1 --nproc-per-node 2")
+    parsed = _parsed(d.command, capsys, monkeypatch)
+    assert parsed["data"]["global_batch_size"] == target.global_batch == 128
+    assert int(parsed["trainer"]["devices"]) == 2 and parsed["ckpt_path"] == "/r/x.ckpt"
+    printed = decide_restart(current, target, [], program[:5])  # restart: print carries them too
+    assert _parsed(printed.command, capsys, monkeypatch)["data"]["global_batch_size"] == 128
+    # a program that is not a LightningCLI gets only --ckpt_path (its own flags are its own)
+    plain = decide_restart(current, target, [], ["train.py", "--batch", "256"], mode="stop", checkpoint="/r/x.ckpt")
+    assert plain.command.endswith("train.py --batch 256 --ckpt_path=/r/x.ckpt")
