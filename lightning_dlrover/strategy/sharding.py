@@ -222,9 +222,12 @@ def describe_plan(plan: ShardingPlan) -> str:
 #:   not depend on the other buckets), with no extra autograd traversal;
 #: - ``find_unused``: unused-parameter search, with which DDP never rebuilds, at the price of a traversal of the
 #:   autograd graph every step (and DDP's warning about it on every rank);
-#: - ``rebuilt``: DDP's default, not bit-exact after a resume (for comparison only).
+#: - ``rebuilt``: DDP's default, not bit-exact after a resume (for comparison only: a 4-rank node-loss drill of
+#:   tests/fault/test_user_models.py then ends with another digest than the fault-free run).
 DDP_BUCKETS: dict[str, dict[str, Any]] = {
-    "per_parameter": {"static_graph": False, "find_unused_parameters": False, "ddp_kwargs": {"bucket_cap_mb_list": [0]}},
+    "per_parameter": {
+        "static_graph": False, "find_unused_parameters": False, "ddp_kwargs": {"bucket_cap_mb_list": [0]},
+    },
     "find_unused": {"static_graph": False, "find_unused_parameters": True},
     "rebuilt": {"static_graph": False, "find_unused_parameters": False},
 }
