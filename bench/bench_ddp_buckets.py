@@ -80,7 +80,8 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     built = {policy: build(policy, config, world_size) for policy in POLICIES}
     sizes, global_batch = config["model"]["num_embeddings_per_feature"], config["data"]["global_batch_size"]
     total = (args.warmup + args.steps) * len(POLICIES) * args.rounds
-    batches = iter(ResumableLoader(SyntheticCriteo(sizes, global_batch * total, seed=0), rank, world_size, global_batch))
+    source = SyntheticCriteo(sizes, global_batch * total, seed=0)
+    batches = iter(ResumableLoader(source, rank, world_size, global_batch))
     loss_fn = torch.nn.BCEWithLogitsLoss()
     wall: dict[str, list[float]] = {p: [] for p in POLICIES}
     cpu: dict[str, list[float]] = {p: [] for p in POLICIES}
@@ -98,9 +99,11 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
                     cpu[policy].append(time.process_time() - c0)
     if rank == 0:
         base_wall, base_cpu = statistics.median(wall["rebuilt"]), statistics.median(cpu["rebuilt"])
-        print(f"demo DLRM, 2 ranks (gloo, CPU), {torch.get_num_threads()} threads per rank, global batch {global_batch}, "
+        print(f"demo DLRM, 2 ranks (gloo, CPU), {torch.get_num_threads()} threads per rank, "
+              f"global batch {global_batch}, "
               f"{args.rounds} rounds x {args.steps} steps per policy (medians of rank 0's steps)")
-        print("| policy | DDP buckets | wall ms/step | CPU ms/step | wall / rebuilt | CPU / rebuilt | bit-exact resume |")
+        print("| policy | DDP buckets | wall ms/step | CPU ms/step | wall / rebuilt | CPU / rebuilt "
+              "| bit-exact resume |")
         print("|---|---|---|---|---|---|---|")
         for policy in POLICIES:
             w, c = statistics.median(wall[policy]), statistics.median(cpu[policy])

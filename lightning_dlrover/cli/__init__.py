@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 
 class Command(NamedTuple):
-    """A subcommand: the module whose ``main(argv) -> int`` runs it (``None``: LightningCLI), what it does, an example."""
+    """A subcommand: the module whose ``main(argv) -> int`` runs it (``None``: LightningCLI), what it does, an
+    example."""
 
     module: str | None
     summary: str

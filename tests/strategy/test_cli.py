@@ -102,7 +102,8 @@ def test_a_demo_like_fit_prints_none_of_the_third_party_warnings(tmp_path):
     none of the warnings the demo printed, and it trained."""
     config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     trainer = config["trainer"]
-    trainer.update(devices=2, max_steps=4, val_check_interval=2, enable_progress_bar=False, default_root_dir=str(tmp_path))
+    trainer.update(devices=2, max_steps=4, val_check_interval=2, enable_progress_bar=False,
+                   default_root_dir=str(tmp_path))
     trainer["strategy"]["init_args"]["parity"] = {"k": 1, "r": 1}
     for callback in trainer["callbacks"]:
         if callback["class_path"].endswith("ModelCheckpoint"):
