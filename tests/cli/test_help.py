@@ -53,3 +53,15 @@ def test_an_unknown_subcommand_is_named_with_the_known_ones():
     out = lightning_dlrover("chaos-report")
     assert out.returncode == 2 and out.stdout == ""
     assert "unknown command 'chaos-report'; choose one of fit, validate, test, predict, launch, chaos" in out.stderr
+
+
+def test_help_imports_neither_torch_nor_lightning_nor_torchrec():
+    code = ("import runpy, sys\n"
+            "sys.argv = ['lightning-dlrover', '--help']\n"
+            "try:\n"
+            "    runpy.run_module('lightning_dlrover', run_name='__main__')\n"
+            "except SystemExit as stop:\n"
+            "    print('exit', stop.code)\n"
+            "print(sorted(m for m in ('torch', 'lightning', 'torchrec') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.splitlines()[-2:] == ["exit 0", "[]"], out.stdout[-2000:] + out.stderr[-2000:]
