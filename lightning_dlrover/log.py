@@ -110,3 +110,46 @@ def rank_zero_report(logger: logging.Logger, message: str, *args: Any) -> None:
     prefix: what the job reports to its user."""
     if (global_rank() or 0) == 0:
         logger.info(message, *args, extra={_RANK_ZERO: True})
+
+
+#: Third-party warnings a job of this package triggers with nothing of its own to change, silenced by
+#: :func:`quiet_known_warnings` (the one place where the package filters what others print): ``(message regex,
+#: regex of the module the warning is attributed to, why it is noise)``. Anything else still prints.
+KNOWN_WARNINGS: list[tuple[str, str, str]] = [
+    (r"`broadcast_buffers` is deprecated", r"torchrec\.distributed\.model_parallel$",
+     "TorchRec's DDP wrapper passes broadcast_buffers=False itself"),
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree$",
+     "Lightning's own pytree copy, on every batch it measures"),
+    (r"Starting from v1\.9\.0, `tensorboardX` has been removed", r"lightning\.pytorch\.",
+     "Lightning's default logger is a CSVLogger without TensorBoard installed: what the demo wants"),
+]
+#: Third-party log lines (not warnings) silenced alike: ``(logger name, message prefix, why)``.
+KNOWN_LOG_LINES: list[tuple[str, str, str]] = [
+    ("torch.fx._symbolic_trace", "is_fx_tracing will return true for both",
+     "TorchRec calls torch.fx.is_fx_tracing while it shards; torch logs this on every call"),
+    ("lightning.pytorch.utilities.rank_zero", "\U0001f4a1 Tip: For seamless cloud logging",
+     "an advertisement Lightning prints when no LitLogger is configured"),
+]
+
+
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_known_warnings() -> None:
+    """Silences the third-party warnings and log lines of :data:`KNOWN_WARNINGS` and :data:`KNOWN_LOG_LINES`, each
+    by its message and its module or logger, in this process (``DLRoverStrategy`` calls it; calling again is a no-op).
+    """
+    import warnings
+
+    for message, module, _ in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, module=module)
+    for name, prefix, _ in KNOWN_LOG_LINES:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _DropPrefix) and f.prefix == prefix for f in target.filters):
+            target.addFilter(_DropPrefix(prefix))

@@ -35,11 +35,12 @@ class DLRoverCLI(LightningCLI):
             rank_slice(self.datamodule.hparams.global_batch_size, 0, self.trainer.world_size)
 
 
-def fit(args: list[str]) -> None:
-    """Runs LightningCLI with ``args`` (e.g. ``["fit", "--config", "configs/demo.yaml"]``)."""
+def fit(args: list[str] | None) -> None:
+    """Runs LightningCLI with ``args`` (e.g. ``["fit", "--config", "configs/demo.yaml"]``; ``None``: the command line)."""
     DLRoverCLI(
         DLRMModule,
         DLRMDataModule,
         args=args,
+        parser_kwargs={"prog": "lightning-dlrover"},
         save_config_kwargs={"overwrite": True},  # a restarted elastic worker rewrites the same config
     )

@@ -1,6 +1,6 @@
 """The command line that measures the DLRM profile the simulator uses (:mod:`lightning_dlrover.elastic.profile`):
 
-    python -m lightning_dlrover.cli.profile --out lightning_dlrover/elastic/dlrm_profile.json
+    lightning-dlrover profile --out lightning_dlrover/elastic/dlrm_profile.json
 
 (``python -m lightning_dlrover.cli.profile`` runs the same.) Imports torch when it runs, not when imported.
 """
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     """Measures the profile, writes it to ``--out`` and prints its curves."""
     import torch
 
-    parser = argparse.ArgumentParser(description="Measure the DLRM profile the simulator uses.")
+    parser = argparse.ArgumentParser(prog="lightning-dlrover profile", description="Measure the DLRM profile the simulator uses.")
     parser.add_argument("--out", default=str(Path(profile.__file__).with_name(DEFAULT_PROFILE)))
     parser.add_argument("--step-batches", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256, 512, 1024])

@@ -34,7 +34,7 @@ from lightning_dlrover import control_plane
 from lightning_dlrover import lightning_glue as glue
 from lightning_dlrover.checkpoint import directory, get_backend, job
 from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig
-from lightning_dlrover.log import get_logger
+from lightning_dlrover.log import get_logger, quiet_known_warnings
 from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV
@@ -94,6 +94,7 @@ class DLRoverStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
+        quiet_known_warnings()  # third-party noise the job cannot avoid (lightning_dlrover/log.py lists it)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,8 +12,10 @@ from torch import nn
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.constants import BATCH_SIZE
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan, ShardingType
 
@@ -179,9 +182,19 @@ def plan_sharding(
 ) -> ShardingPlan:
     """Runs TorchRec's planner on rank 0 and shares the plan with every rank (a collective)."""
     world_size = dist.get_world_size()
-    topology = Topology(world_size=world_size, compute_device=device.type, local_world_size=local_world_size)
+    topology = TopologyFactory.create_topology(
+        TrainerConfig(world_size=world_size, local_world_size=local_world_size),
+        kernel_config=KernelConfig(compute_device=device.type),
+    )
     enumerator = torchrec_glue.ordered_enumerator(topology=topology, batch_size=BATCH_SIZE, constraints=constraints)
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, enumerator=enumerator)
+    # TorchRec's default reservation (heuristic) warns that it is deprecated and over-estimates dense tensors; the
+    # same 15 % of each device's memory is kept back (the demo's plans are unchanged at 1-4 ranks).
+    planner = EmbeddingShardingPlanner(
+        topology=topology,
+        constraints=constraints,
+        enumerator=enumerator,
+        storage_reservation=FixedPercentageStorageReservation(percentage=0.15),
+    )
     try:
         return planner.collective_plan(module, sharders or get_default_sharders(), dist.GroupMember.WORLD)
     except Exception as err:
@@ -202,15 +215,33 @@ def describe_plan(plan: ShardingPlan) -> str:
     return "; ".join(f"{kind}: {' '.join(tables)}" for kind, tables in sorted(by_type.items()))
 
 
-def distribute(module: nn.Module, plan: ShardingPlan, device: torch.device) -> DistributedModelParallel:
-    """``module`` wrapped in TorchRec's ``DistributedModelParallel`` on the world process group, sharded by ``plan``."""
+#: How DDP buckets the dense gradients (``bench/bench_ddp_buckets.py`` measures each). DDP rebuilds its buckets in
+#: gradient-ready order after a process's first step, so a resumed job would reduce that step's gradients in other
+#: buckets than an uninterrupted one and, at > 2 ranks, the float sums would differ (not bit-exact):
+#: - ``per_parameter`` (used): every parameter is its own bucket, before and after the rebuild (a bucket's sum does
+#:   not depend on the other buckets), with no extra autograd traversal;
+#: - ``find_unused``: unused-parameter search, with which DDP never rebuilds, at the price of a traversal of the
+#:   autograd graph every step (and DDP's warning about it on every rank);
+#: - ``rebuilt``: DDP's default, not bit-exact after a resume (for comparison only: a 4-rank node-loss drill of
+#:   tests/fault/test_user_models.py then ends with another digest than the fault-free run).
+DDP_BUCKETS: dict[str, dict[str, Any]] = {
+    "per_parameter": {
+        "static_graph": False, "find_unused_parameters": False, "ddp_kwargs": {"bucket_cap_mb_list": [0]},
+    },
+    "find_unused": {"static_graph": False, "find_unused_parameters": True},
+    "rebuilt": {"static_graph": False, "find_unused_parameters": False},
+}
+
+
+def distribute(
+    module: nn.Module, plan: ShardingPlan, device: torch.device, buckets: str = "per_parameter"
+) -> DistributedModelParallel:
+    """``module`` wrapped in TorchRec's ``DistributedModelParallel`` on the world process group, sharded by ``plan``,
+    its dense part in DDP with the bucket policy ``buckets`` (one of :data:`DDP_BUCKETS`)."""
     return DistributedModelParallel(
         module=module,
         env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
         device=device,
         plan=plan,
-        # DDP normally rebuilds its buckets after the first step; a resumed job would then reduce its first
-        # step's gradients in other buckets than an uninterrupted one and (at > 2 ranks) not be bit-exact.
-        # Without a static graph and with unused-parameter search, DDP never rebuilds.
-        data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=False, find_unused_parameters=True),
+        data_parallel_wrapper=DefaultDataParallelWrapper(**DDP_BUCKETS[buckets]),
     )

@@ -1,5 +1,7 @@
 """The ``lightning-dlrover`` CLI: the demo config trains, its saved config reproduces it, bad configs fail early."""
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -76,3 +78,42 @@ def test_strategy_is_registered():
 
     trainer = Trainer(strategy="dlrover", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, DLRoverStrategy)
+
+
+# What the demo printed on stderr before its first step (issue #20), by the message's own words.
+DEMO_NOISE = [
+    "find_unused_parameters=True was specified",  # DDP: its buckets are now fixed per parameter (sharding.py)
+    "TopologyFactory",  # TorchRec's planner: the topology now comes from its factory
+    "HeuristicalStorageReservation",  # ... and a fixed-percentage reservation
+    "dense tensor size calculation",
+    "deprecating ShardedTensor",  # our own call of a deprecated ShardedTensor method
+    "`broadcast_buffers` is deprecated",  # filtered: lightning_dlrover/log.py, KNOWN_WARNINGS
+    "isinstance(treespec, LeafSpec)",
+    "tensorboardX",
+    "is_fx_tracing will return true",  # filtered: KNOWN_LOG_LINES
+    "Tip: For seamless cloud logging",
+    "LightningCLI's args parameter",  # the console entry no longer passes its own command line as `args`
+]
+
+
+@pytest.mark.slow
+def test_a_demo_like_fit_prints_none_of_the_third_party_warnings(tmp_path):
+    """The demo config on 2 ranks (parity k=1, r=1) for 4 steps with a checkpoint and a validation: its stderr has
+    none of the warnings the demo printed, and it trained."""
+    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    trainer = config["trainer"]
+    trainer.update(devices=2, max_steps=4, val_check_interval=2, enable_progress_bar=False,
+                   default_root_dir=str(tmp_path))
+    trainer["strategy"]["init_args"]["parity"] = {"k": 1, "r": 1}
+    for callback in trainer["callbacks"]:
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            callback["init_args"]["every_n_train_steps"] = 2
+    config["data"]["val_batches"] = 1
+    (tmp_path / "demo.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-m", "lightning_dlrover", "fit", "--config", "demo.yaml"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "end" in digests(done.stdout), done.stdout[-2000:]
+    assert not [noise for noise in DEMO_NOISE if noise in done.stderr], done.stderr

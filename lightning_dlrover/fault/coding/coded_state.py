@@ -107,7 +107,7 @@ def _shard_specs(module: nn.Module) -> dict[int, SegmentSpec]:
             tensor, meta = shard.tensor, shard.metadata
             row_bytes = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
             specs[tensor.data_ptr()] = SegmentSpec(
-                key, tuple(meta.shard_offsets), tuple(meta.shard_sizes), tuple(value.size()), row_bytes
+                key, tuple(meta.shard_offsets), tuple(meta.shard_sizes), tuple(value.metadata().size), row_bytes
             )
     return specs
 
