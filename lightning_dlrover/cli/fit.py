@@ -65,7 +65,7 @@ def check_addons(callbacks: Any) -> None:
         try:
             getattr(importlib.import_module(module), name)(**kwargs)
         except (ValueError, TypeError) as err:
-            _refuse(f"trainer.callbacks: {name}: {err}")
+            _refuse(f"trainer.callbacks: {'' if str(err).startswith(name) else f'{name}: '}{err}")
 
 
 def fit(args: list[str]) -> None:

@@ -314,10 +314,10 @@ class ElasticBatchScaler(Callback):
         loader = _train_loader(trainer)
         before = (int(loader.global_batch_size), learning_rates(optimizers), self._lrs, self._recount)
         try:
-            scale_learning_rates(optimizers, decision.lr_factor)
-            self._lrs = learning_rates(optimizers)
             loader.global_batch_size = decision.global_batch
             self._recount = True  # at the next batch (the epoch loop is not set up yet at train start) or at once
+            scale_learning_rates(optimizers, decision.lr_factor)
+            self._lrs = learning_rates(optimizers)
             error = None
         except Exception as err:
             if not is_addon_error(err):
