@@ -127,11 +127,16 @@ def _step(args: tuple) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def guarded(hook: F) -> F:
+def guarded(hook: F | str) -> F | Callable[[F], F]:
     """Wraps an add-on's hook (a method taking the trainer first): once the add-on failed it does nothing (returns
     ``None``); an error the guard may catch (:func:`is_addon_error`) is reported (:func:`report_failure`) instead of
-    raised."""
+    raised. ``@guarded("on_train_batch_end")`` names the hook a helper method runs in, for the report."""
+    if isinstance(hook, str):
+        return lambda method: _guard(method, hook)
+    return _guard(hook, hook.__name__)
 
+
+def _guard(hook: F, name: str) -> F:
     @functools.wraps(hook)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         if failure(self) is not None:
@@ -141,7 +146,7 @@ def guarded(hook: F) -> F:
         except Exception as error:
             if not is_addon_error(error):
                 raise
-            report_failure(self, hook.__name__, error, _step(args))
+            report_failure(self, name, error, _step(args))
             return None
 
     return run  # type: ignore[return-value]

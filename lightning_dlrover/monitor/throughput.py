@@ -113,7 +113,7 @@ class ThroughputMonitor(Callback):
         self._ticks = 0
         self._start(trainer, pl_module)
 
-    @guarded
+    @guarded("on_train_start")
     def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._process = psutil.Process()
         self._device = pl_module.device
@@ -174,7 +174,7 @@ class ThroughputMonitor(Callback):
         if self._ticks % self.log_every_n_steps == 0:
             self._log(trainer)
 
-    @guarded
+    @guarded("on_train_batch_end")
     def _record(self, trainer: Trainer, batch: Any) -> None:
         if self._sections is None:
             return
@@ -264,11 +264,11 @@ class ThroughputMonitor(Callback):
         if local is not None:
             self._send(trainer, local, total)
 
-    @guarded
+    @guarded("on_train_batch_end")
     def _window_rate(self, trainer: Trainer) -> float:
         return self._window.samples_per_sec()
 
-    @guarded
+    @guarded("on_train_batch_end")
     def _send(self, trainer: Trainer, local: float, total: float) -> None:
         window, self._window = self._window, _Totals(self._process)
         if not trainer.is_global_zero:
@@ -288,7 +288,7 @@ class ThroughputMonitor(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
-    @guarded
+    @guarded("on_train_end")
     def _rank_summary(self, rank: int) -> RankThroughput | None:
         """This rank's statistics after warm-up, or ``None`` if no step was measured."""
         measured = self._measured

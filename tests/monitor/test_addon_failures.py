@@ -59,10 +59,10 @@ def test_advisor_whose_history_and_report_fail_goes_on_in_memory(tmp_path):
 def test_monitor_failing_on_one_rank_still_joins_the_collectives(tmp_path):
     root = tmp_path / "run"
     proc = run([ADVISOR_JOB, "--root", root, "--devices", "2", "--steps", "10",
-                "--inject", "lightning_dlrover.monitor.throughput:ThroughputMonitor._record@3#1"], tmp_path, timeout=300)
+                "--inject", "lightning_dlrover.monitor.throughput:rss_bytes@3#1"], tmp_path, timeout=300)
     assert "FINAL_STEP 10 world_size 2" in proc.stdout, proc.stdout[-3000:]
     [event] = failures(root, "ThroughputMonitor")
-    assert (event.rank, event.step, event["hook"]) == (1, 3, "_record")
+    assert (event.rank, event.step, event["hook"]) == (1, 4, "on_train_batch_end")
     assert "ThroughputMonitor: failed on rank(s) [1]; no summary." in proc.stdout
 
 
@@ -78,7 +78,7 @@ def test_tuner_failing_after_a_decision_goes_back_to_the_last_pipeline_and_the_f
                tmp_path, timeout=400, program=[sys.executable])
     assert "`Trainer.fit` stopped: `max_steps=10` reached." in proc.stdout, proc.stdout[-3000:]
     events = failures(tmp_path, "PipelineTuner")
-    assert sorted(e.rank for e in events) == [0, 1] and all(e.step == 4 for e in events), events
+    assert sorted(e.rank for e in events) == [0, 1] and all(e.step == 5 for e in events), events
     assert all(e["stepped_back_to"].startswith("pipeline config ") for e in events)
     kinds = [e.kind for e in read_events([tmp_path / "dlrover_events.jsonl"])]
     assert "pipeline_tuned" not in kinds  # off after its failure
