@@ -11,12 +11,17 @@ The hooks call into one module per job: :mod:`~lightning_dlrover.advisor.config`
 :mod:`~lightning_dlrover.advisor.recorder` (signature, history record, warm start),
 :mod:`~lightning_dlrover.advisor.window` (probes, fit, recommendation), :mod:`~lightning_dlrover.advisor.act`
 (live changes, restarts) and :mod:`~lightning_dlrover.advisor.runtime` (stage 3's checks).
+
+The advisor never ends the fit (:mod:`~lightning_dlrover.monitor.guard`): a failing job history, report, re-plan or
+recommendation is reported once (an ``addon_failed`` event and a warning) and the advisor goes on without it (in
+memory, no report, the configuration kept); a failure anywhere else in its hooks turns it off for the fit.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
@@ -36,11 +41,13 @@ from lightning_dlrover.advisor.runtime import RuntimeWatch, broadcast
 from lightning_dlrover.advisor.window import ProfilingWindow, RecommendedAt
 from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import ThroughputMonitor, emit
+from lightning_dlrover.monitor.guard import guarded, is_addon_error, report_degraded
 
 if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
     from lightning_dlrover.advisor.history import JobHistory
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 class ResourceAdvisor(Callback):
@@ -101,6 +108,20 @@ class ResourceAdvisor(Callback):
         self.replan_advice: ReplanAdvice | None = None
         self._started = False
 
+    def validate(self, world_size: int) -> None:
+        """Raises a ``ValueError`` if the job history cannot be opened (e.g. its server is unreachable), in the
+        launching process before ranks start (``lightning-dlrover fit`` calls it); the options themselves were
+        checked at construction."""
+        history = self.config.history
+        if history is None or history == "run":
+            return
+        from lightning_dlrover.advisor.history import JobHistory, resolve_url
+
+        try:
+            JobHistory(resolve_url(history)).close()
+        except ValueError as err:
+            raise ValueError(f"ResourceAdvisor(history={history!r}): {err}") from None
+
     # ------------------------------------------------------------------------------------------------ results
     @property
     def search(self) -> SearchSpace | None:
@@ -144,6 +165,7 @@ class ResourceAdvisor(Callback):
 
     # ------------------------------------------------------------------------------------------------ setup
     @override
+    @guarded
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -161,6 +183,7 @@ class ResourceAdvisor(Callback):
         self._started = False
 
     @override
+    @guarded
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._seen, self._start_time = 0, time.time()
         self.window.reset()
@@ -180,8 +203,10 @@ class ResourceAdvisor(Callback):
         self.oom.horizon = self.config.oom_horizon_steps or max(left, 1)
         stage1 = None
         if trainer.is_global_zero:
-            stage1 = self.recorder.warm_start(trainer.default_root_dir, self.actor.current, self.actor.space,
-                                              self.machine)
+            stage1 = self._part("history", "in memory: no job history and no warm start for this fit", trainer,
+                                lambda: self.recorder.warm_start(trainer.default_root_dir, self.actor.current,
+                                                                 self.actor.space, self.machine),
+                                self.recorder.forget)
         stage1 = broadcast(trainer.world_size, stage1)
         if stage1 is not None:
             self._act(trainer, stage1, "warm_start")
@@ -190,6 +215,7 @@ class ResourceAdvisor(Callback):
 
     # ------------------------------------------------------------------------------------------------ steps
     @override
+    @guarded
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._started:
             self._start(trainer, batch)
@@ -197,6 +223,7 @@ class ResourceAdvisor(Callback):
             self.watch.lookups.observe(batch, hot_rows=trainer.global_step % 10 == 0)
 
     @override
+    @guarded
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         record = self.monitor.last_step
@@ -217,10 +244,13 @@ class ResourceAdvisor(Callback):
         """End of the profiling window: rank 0 fits and recommends (and re-plans), every rank acts on it."""
         target = None
         if trainer.is_global_zero:
-            target = self.window.fit_and_recommend(self.actor.current, self.recorder.prior,
-                                                   self.recorder.past_observations)
-            self._replan(trainer)
-        target = broadcast(trainer.world_size, target)
+            target = self._part("recommend", "no recommendation: the configuration is kept", trainer,
+                                lambda: self.window.fit_and_recommend(self.actor.current, self.recorder.prior,
+                                                                      self.recorder.past_observations))
+            self._part("replan", "no re-plan advice", trainer, lambda: self._replan(trainer))
+        target = broadcast(trainer.world_size, target)  # rank 0's part failed: None on every rank, nothing to act on
+        if target is None:
+            return
         self.window.recommended_at = RecommendedAt(step, time.time() - self._start_time)
         self._act(trainer, target, "profile")
 
@@ -243,27 +273,45 @@ class ResourceAdvisor(Callback):
 
     # ------------------------------------------------------------------------------------------------ end
     @override
+    @guarded
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or not self._started:
             return
         summary = self.monitor.summary_stats
         outcome = "recovered" if getattr(trainer.strategy, "recovered", False) else "finished"
-        self._record(outcome, summary)
+        self._record(outcome, summary, trainer)
         if self.model is not None and self.recommendation is not None:
             if self.replan_advice is None:
-                self._replan(trainer)
+                self._part("replan", "no re-plan advice", trainer, lambda: self._replan(trainer))
             sig = self.recorder.signature
             title = f"ResourceAdvisor: {sig.model}, {len(sig.tables)} tables, {self.machine.cores} cores"
-            write_reports(self.config.report_path(trainer.default_root_dir), self.model, self.recorder.shape,
-                          self.machine.cores, self.observations, self.recommendation, self.findings,
-                          self.actor.restart_text, self.replan_advice, self.recommended_at, title)
+            self._part("report", "no report files (the findings were printed)", trainer, lambda: write_reports(
+                self.config.report_path(trainer.default_root_dir), self.model, self.recorder.shape, self.machine.cores,
+                self.observations, self.recommendation, self.findings, self.actor.restart_text, self.replan_advice,
+                self.recommended_at, title))
 
     @override
+    @guarded
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if trainer.is_global_zero and self.recorder.recording:
             oom = isinstance(exception, MemoryError) or "out of memory" in str(exception).lower()
-            self._record("oom" if oom else "failed", None)
+            self._record("oom" if oom else "failed", None, trainer)
 
-    def _record(self, outcome: str, summary: Any) -> None:
-        self.recorder.finish(outcome, summary, self.observations, self.model, self.recommendation,
-                             self.actor.current)
+    def _record(self, outcome: str, summary: Any, trainer: Trainer) -> None:
+        self._part("history", "in memory: the job's record is not kept", trainer,
+                   lambda: self.recorder.finish(outcome, summary, self.observations, self.model, self.recommendation,
+                                                self.actor.current), self.recorder.forget)
+
+    def _part(self, part: str, without: str, trainer: Trainer, run: Callable[[], T],
+              step_back: Callable[[], None] | None = None) -> T | None:
+        """``run()``; if it fails (an error of the advisor's, :func:`~lightning_dlrover.monitor.guard.is_addon_error`),
+        ``step_back()``, a report that the advisor goes on ``without`` it, and ``None``."""
+        try:
+            return run()
+        except Exception as error:
+            if not is_addon_error(error):
+                raise
+            if step_back is not None:
+                step_back()
+            report_degraded(self, part, error, without, trainer.global_step)
+            return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -9,10 +10,15 @@ from typing import Literal
 from lightning_dlrover.advisor.resources import SearchSpace
 from lightning_dlrover.advisor.restart import RestartMode
 
+#: The pip package of a database driver module, where the names differ.
+_DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "pymysql": "PyMySQL", "MySQLdb": "mysqlclient"}
+
 
 def check_history_url(history: str | None) -> None:
-    """Raises a ``ValueError`` now (not at the first step) if ``history`` names a database SQLAlchemy cannot use."""
-    if history is None or history in ("user", "run"):
+    """Raises a ``ValueError`` now (not at the first step) if ``history`` names a database SQLAlchemy cannot use:
+    not a URL it knows, a driver that is not installed (the message names the ``pip install``), or an SQLite file
+    whose directory cannot be created or written."""
+    if history is None or history == "run":  # "run": under default_root_dir, which the trainer creates
         return
     import sqlalchemy as sa
 
@@ -20,10 +26,32 @@ def check_history_url(history: str | None) -> None:
 
     url = resolve_url(history)
     try:
-        sa.engine.make_url(url).get_dialect()
+        parsed = sa.engine.make_url(url)
+        dialect = parsed.get_dialect()
     except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as err:
         raise ValueError(f"ResourceAdvisor(history={history!r}): not a database URL SQLAlchemy can open ({err}). Use "
                          "'user', 'run', a file path, sqlite:///path or e.g. postgresql://user@host/db.") from err
+    try:
+        dialect.import_dbapi()
+    except ImportError as err:
+        module = (getattr(err, "name", None) or dialect.driver).split(".")[0]
+        raise ValueError(f"ResourceAdvisor(history={history!r}): its database driver {module!r} is not installed; "
+                         f"`pip install {_DRIVER_PACKAGES.get(module, module)}`, or use another history "
+                         "(e.g. a file path).") from None
+    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
+        _check_writable(Path(parsed.database), history)
+
+
+def _check_writable(path: Path, history: str) -> None:
+    """Raises a ``ValueError`` if the SQLite file ``path`` cannot be created or written (its directory included)."""
+    existing = path if path.exists() else next((p for p in path.parents if p.exists()), Path("/"))
+    if existing == path:
+        ok, what = path.is_file() and os.access(path, os.R_OK | os.W_OK), "is not a writable file"
+    else:
+        ok, what = existing.is_dir() and os.access(existing, os.W_OK | os.X_OK), f"cannot be created in {existing}"
+    if not ok:
+        raise ValueError(f"ResourceAdvisor(history={history!r}): the history file {path} {what}; give a writable path "
+                         "(history='run' keeps it under the run's directory), or history=None for none.")
 
 
 @dataclass(frozen=True)

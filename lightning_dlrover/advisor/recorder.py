@@ -45,6 +45,16 @@ class JobRecorder:
         self.prior = None
         self.past_observations = []
 
+    def forget(self) -> None:
+        """Lets go of the history after it failed: the job goes on in memory, with no record and no warm start."""
+        history, self.history, self.job_id = self.history, None, None
+        self.prior, self.past_observations = None, []
+        if history is not None:
+            try:
+                history.close()
+            except Exception:  # noqa: BLE001 - already failing; nothing more to keep
+                pass
+
     def read_tables(self, module: nn.Module, machine: Machine) -> None:
         """Reads the model's tables before the strategy's set-up replaces them with sharded modules."""
         self.unsharded = signature_of(module, 1, (), machine)

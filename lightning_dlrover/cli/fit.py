@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+from typing import Any
+
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_dlrover  # noqa: F401  (registers strategy="dlrover")
@@ -24,6 +28,7 @@ class DLRoverCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         for key, value in elastic_trainer_args().items():
             config.trainer[key] = value
+        check_addons(config.trainer.get("callbacks"))
 
     def before_fit(self) -> None:
         """Rejects a config the job cannot run (the tables named in the strategy, its sharding types, the embedding
@@ -33,6 +38,34 @@ class DLRoverCLI(LightningCLI):
             self.trainer.strategy.check_model(self.model)
         if not any(isinstance(c, ElasticBatchScaler) for c in self.trainer.callbacks):  # it may fit the batch to the world
             rank_slice(self.datamodule.hparams.global_batch_size, 0, self.trainer.world_size)
+        for callback in self.trainer.callbacks:  # add-ons: what the world size or the outside world can refuse
+            if type(callback).__module__.startswith("lightning_dlrover.") and hasattr(callback, "validate"):
+                try:
+                    callback.validate(self.trainer.world_size)
+                except ValueError as err:
+                    _refuse(f"trainer.callbacks: {err}")
+
+
+def _refuse(message: str) -> None:
+    """Ends the command with one line on stderr and exit status 2 (a usage error), before any rank starts."""
+    print(f"lightning-dlrover fit: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def check_addons(callbacks: Any) -> None:
+    """Builds each of the package's add-on callbacks of the config once (``class_path: lightning_dlrover...``), so a
+    bad option ends the command with one line naming it (not jsonargparse's dump of every type it tried)."""
+    for entry in callbacks if isinstance(callbacks, list) else [callbacks] if callbacks else []:
+        class_path = getattr(entry, "class_path", None)
+        if not isinstance(class_path, str) or not class_path.startswith("lightning_dlrover."):
+            continue
+        module, name = class_path.rsplit(".", 1)
+        init_args = getattr(entry, "init_args", None)
+        kwargs = init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args or {})
+        try:
+            getattr(importlib.import_module(module), name)(**kwargs)
+        except (ValueError, TypeError) as err:
+            _refuse(f"trainer.callbacks: {'' if str(err).startswith(name) else f'{name}: '}{err}")
 
 
 def fit(args: list[str] | None) -> None:

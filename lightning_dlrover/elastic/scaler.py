@@ -14,6 +14,11 @@ A change takes effect at the next batch the loader produces: the loader counts i
 sample is lost or repeated (see :class:`~lightning_dlrover.data.ResumableLoader`). Each change is recorded
 as a ``batch_rescaled`` event (:mod:`lightning_dlrover.monitor.events`).
 
+A failure inside the scaler never ends the fit (:mod:`~lightning_dlrover.monitor.guard`): a change that failed on
+any rank (e.g. the batch changed but the learning rates could not be set) is put back on every rank (batch and
+learning rates), reported once (an ``addon_failed`` event and a warning), and the scaler stops changing anything.
+A range no batch of the world size fits is refused before ranks start (:meth:`ElasticBatchScaler.validate`).
+
 YAML::
 
     trainer:
@@ -28,6 +33,7 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
@@ -49,6 +55,7 @@ from lightning_dlrover.elastic.batch import (
 )
 from lightning_dlrover.elastic.goodput import GoodputModel, GradientNoiseProbe, NoiseScaleEstimator
 from lightning_dlrover.monitor.events import emit
+from lightning_dlrover.monitor.guard import failure, guarded, is_addon_error, report_failure
 from lightning_dlrover.torchrec_glue import set_fused_learning_rate
 
 
@@ -133,6 +140,20 @@ class ElasticBatchScaler(Callback):
         self._step_start: float | None = None
         self.history: list[dict[str, Any]] = []
 
+    def validate(self, world_size: int) -> None:
+        """Raises a ``ValueError`` saying how to fix the range if no global batch of it fits ``world_size`` ranks
+        (``lightning-dlrover fit`` calls it in the launching process, before ranks start)."""
+        try:
+            self.range.check(world_size)
+        except ValueError as err:
+            raise ValueError(f"ElasticBatchScaler(min_batch={self.range.min}, max_batch={self.range.max}, "
+                             f"per_rank_max={self.range.per_rank_max}): {err}") from None
+
+    def step_back(self) -> str:
+        """After a failure: the batch and learning rates of the last completed change stay (a change that failed
+        was put back by :meth:`_switch`); the scaler changes nothing more. Returns them, for the report."""
+        return f"global batch {self._global_batch} on {self._world_size} ranks, learning rates {self._lrs}"
+
     @override
     def state_dict(self) -> dict[str, Any]:
         est = self.probe.estimator
@@ -145,6 +166,7 @@ class ElasticBatchScaler(Callback):
         self._saved = dict(state_dict)
 
     @override
+    @guarded
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loader = _train_loader(trainer)
         world = trainer.world_size
@@ -195,7 +217,12 @@ class ElasticBatchScaler(Callback):
                                "training-batch hook (e.g. the resource advisor's on_train_batch_end).")
         if batch < 1:
             raise ValueError(f"set_batch_per_rank({batch}): the batch per rank must be a positive integer.")
-        self.set_global_batch(self._trainer, batch * self._trainer.world_size, reason="advisor")
+        try:
+            self.set_global_batch(self._trainer, batch * self._trainer.world_size, reason="advisor")
+        except Exception as error:  # the scaler's own failure: reported, put back, never the caller's to handle
+            if not is_addon_error(error):
+                raise
+            report_failure(self, "set_batch_per_rank", error, self._trainer.global_step)
 
     def choices(self) -> tuple[int, ...]:
         """Per-rank batches of the range among half, the same and twice the current one (the advisor's search)."""
@@ -214,11 +241,13 @@ class ElasticBatchScaler(Callback):
         self._trainer = None
 
     @override
+    @guarded
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._recount_now(trainer)
         self._step_start = time.perf_counter()
 
     @override
+    @guarded
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.policy != "goodput" or self.goodput is None:
@@ -264,6 +293,8 @@ class ElasticBatchScaler(Callback):
         """Switches to the feasible global batch of the range nearest ``global_batch`` (e.g. the resource advisor's),
         rescaling the learning rates by the LR rule; call on every rank at the same step. Returns the decision,
         ``None`` if the batch stays."""
+        if failure(self) is not None:
+            return None  # stepped back after a failure: the batch stays
         world, old_batch = trainer.world_size, self._global_batch
         batch = _nearest(self.range.check(world), global_batch)
         if batch == old_batch:
@@ -280,10 +311,23 @@ class ElasticBatchScaler(Callback):
         world, old_world, old_batch = trainer.world_size, self._world_size, self._global_batch
         noise = self.goodput.noise_scale if self.goodput else None
         optimizers = _optimizers(trainer)
-        scale_learning_rates(optimizers, decision.lr_factor)
-        self._lrs = learning_rates(optimizers)
-        _train_loader(trainer).global_batch_size = decision.global_batch
-        self._recount = True  # at the next batch (the epoch loop is not set up yet at train start) or at once
+        loader = _train_loader(trainer)
+        before = (int(loader.global_batch_size), learning_rates(optimizers), self._lrs, self._recount)
+        try:
+            loader.global_batch_size = decision.global_batch
+            self._recount = True  # at the next batch (the epoch loop is not set up yet at train start) or at once
+            scale_learning_rates(optimizers, decision.lr_factor)
+            self._lrs = learning_rates(optimizers)
+            error = None
+        except Exception as err:
+            if not is_addon_error(err):
+                raise
+            error = err
+        if not self._all_ranks_ok(error is None):  # a change half made, or made on some ranks only: put it back
+            loader.global_batch_size, self._lrs, self._recount = before[0], before[2], before[3]
+            _set_learning_rates(optimizers, before[1])
+            raise error or RuntimeError(f"another rank failed to switch the global batch {old_batch} -> "
+                                        f"{decision.global_batch}; put back here too")
         self._global_batch, self._world_size = decision.global_batch, world
         record = {"reason": reason, "policy": self.policy, "rule": decision.rule, "old_world_size": old_world,
                   "world_size": world, "old_global_batch": old_batch, "global_batch": decision.global_batch,
@@ -294,6 +338,15 @@ class ElasticBatchScaler(Callback):
             emit("batch_rescaled", step=trainer.global_step, **record,
                  message=f"global batch {old_batch} -> {decision.global_batch} on {world} ranks ({reason}); "
                          f"learning rates x{decision.lr_factor:.3f} ({decision.rule})")
+
+    @staticmethod
+    def _all_ranks_ok(ok: bool) -> bool:
+        """Whether every rank's part of a change succeeded (one all-reduce over the control plane)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control_plane.group())
+            return bool(flag.item())
+        return ok
 
     @staticmethod
     def _agreed(decision: Any) -> Any:

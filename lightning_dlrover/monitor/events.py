@@ -74,6 +74,10 @@ KINDS: dict[str, tuple[str, ...]] = {
     # ElasticBatchScaler (step: the global step the change takes effect after)
     "batch_rescaled": ("reason", "policy", "rule", "old_world_size", "world_size", "old_global_batch", "global_batch",
                        "per_rank_batch", "lr_factor", "noise_scale", "predicted_gain"),
+    # An add-on (monitor, advisor, tuner, scaler) failed and stepped back (monitor.guard); training went on. hook: the
+    # hook, or the part that failed in an add-on that goes on (the advisor's "history", "report", "replan");
+    # stepped_back_to: the safe state it is in now.
+    "addon_failed": ("addon", "hook", "error_type", "error", "stepped_back_to"),
 }
 
 

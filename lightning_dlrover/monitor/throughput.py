@@ -16,6 +16,10 @@ A strategy adds its own sections (e.g. ``parity``) by exposing a :class:`StepTim
 ``strategy.step_timer``. Strategy sections timed inside a step overlap the built-in ones and are reported
 alongside; those timed between steps (``DLRoverStrategy`` commits a step once it is over: ``parity``) are
 taken out of the next step's ``data_wait`` and reported with that step.
+
+A failure inside the monitor never ends the fit (:mod:`~lightning_dlrover.monitor.guard`): it is reported once (an
+``addon_failed`` event and a warning) and the rank stops measuring; it still joins the monitor's collectives (the
+periodic all-reduce, the gather at the end), with nothing measured, so the other ranks go on.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_dlrover.log import get_logger, rank_zero_report
+from lightning_dlrover.monitor.guard import failure, guarded
 from lightning_dlrover.monitor.steps import StepRecord, rss_bytes, thread_busy_seconds
 from lightning_dlrover.monitor.summary import _MB, RankThroughput, ThroughputSummary, _memory_bytes, _Totals
 from lightning_dlrover.monitor.timing import BUILTIN_SECTIONS, StepTimer, _infer_batch_size
@@ -95,6 +100,7 @@ class ThroughputMonitor(Callback):
         self._sections: dict[str, float] | None = None
         self._between: dict[str, float] = {}  # strategy sections timed since the last step ended
         self.last_step: StepRecord | None = None  # this rank's latest step, for ResourceAdvisor
+        self._ticks = 0  # training steps of this fit, counted even after a failure (the all-reduce's schedule)
 
     @property
     def summary_stats(self) -> ThroughputSummary | None:
@@ -104,6 +110,11 @@ class ThroughputMonitor(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Reset all measurements."""
+        self._ticks = 0
+        self._start(trainer, pl_module)
+
+    @guarded("on_train_start")
+    def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._process = psutil.Process()
         self._device = pl_module.device
         self._sync = self.cuda_sync and self._device.type == "cuda"
@@ -119,15 +130,18 @@ class ThroughputMonitor(Callback):
         if (timer := self._step_timer(trainer)) is not None:
             timer.pop_step()  # drop sections timed during set-up
 
+    @guarded
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Start the first step's data wait here, not at the end of the previous epoch."""
         self._mark = self._now()
         self._busy_mark = thread_busy_seconds()
 
+    @guarded
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Keep validation inside the training loop out of the next step's data wait."""
         self._mark = self._now()
 
+    @guarded
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Close the data wait and open the forward section."""
         now = self._now()
@@ -140,10 +154,12 @@ class ThroughputMonitor(Callback):
         self._start_time, self._busy_start = time.time(), thread_busy_seconds()
         self._data_busy = self._busy_start - self._busy_mark
 
+    @guarded
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         """Close a forward section."""
         self._close("forward")
 
+    @guarded
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Close a backward section."""
         self._close("backward")
@@ -153,6 +169,13 @@ class ThroughputMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Close the optimizer section (if a backward was seen), record the step and log if due."""
+        self._ticks += 1
+        self._record(trainer, batch)
+        if self._ticks % self.log_every_n_steps == 0:
+            self._log(trainer)
+
+    @guarded("on_train_batch_end")
+    def _record(self, trainer: Trainer, batch: Any) -> None:
         if self._sections is None:
             return
         now = self._now()
@@ -176,18 +199,19 @@ class ThroughputMonitor(Callback):
             self._step_seconds.append(seconds)
         elif self._steps == self.warmup_steps:
             self._measured = _Totals(self._process)
-        if self._steps % self.log_every_n_steps == 0:
-            self._log(trainer)
-            self._window = _Totals(self._process)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Gather the per-rank statistics from all ranks into :attr:`summary_stats`."""
         local = self._rank_summary(trainer.global_rank)
         if trainer.world_size > 1:
-            ranks: list[RankThroughput | None] = [None] * trainer.world_size
-            torch.distributed.all_gather_object(ranks, local)
+            ranks: list[RankThroughput | str | None] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(ranks, local if failure(self) is None else "failed")
         else:
-            ranks = [local]
+            ranks = [local if failure(self) is None else "failed"]
+        if "failed" in ranks:
+            rank_zero_warn(f"ThroughputMonitor: failed on rank(s) {[i for i, r in enumerate(ranks) if r == 'failed']}; "
+                           "no summary.")
+            return
         if any(r is None for r in ranks):
             rank_zero_warn(
                 f"ThroughputMonitor: training ran no more than warmup_steps={self.warmup_steps} steps;"
@@ -196,6 +220,7 @@ class ThroughputMonitor(Callback):
             return
         self._summary_stats = ThroughputSummary(ranks=tuple(ranks), warmup_steps=self.warmup_steps)
 
+    @guarded
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Print the summary table on rank 0, once the progress bars are closed."""
         if self.summary and self._summary_stats is not None and trainer.is_global_zero:
@@ -229,13 +254,23 @@ class ThroughputMonitor(Callback):
         return int(size)
 
     def _log(self, trainer: Trainer) -> None:
-        """Reduce the window's throughput over ranks and send rank 0's window metrics to the loggers."""
-        window = self._window
-        local = window.samples_per_sec()
-        total = local
+        """Reduce the window's throughput over ranks (every rank joins, a failed one with nothing measured) and send
+        rank 0's window metrics to the loggers."""
+        local = self._window_rate(trainer)
+        total = local or 0.0
         if trainer.world_size > 1:
-            value = torch.tensor(local, dtype=torch.float64, device=trainer.strategy.root_device)
+            value = torch.tensor(total, dtype=torch.float64, device=trainer.strategy.root_device)
             total = trainer.strategy.reduce(value, reduce_op="sum").item()
+        if local is not None:
+            self._send(trainer, local, total)
+
+    @guarded("on_train_batch_end")
+    def _window_rate(self, trainer: Trainer) -> float:
+        return self._window.samples_per_sec()
+
+    @guarded("on_train_batch_end")
+    def _send(self, trainer: Trainer, local: float, total: float) -> None:
+        window, self._window = self._window, _Totals(self._process)
         if not trainer.is_global_zero:
             return
         rss, peak = _memory_bytes(self._process)
@@ -253,6 +288,7 @@ class ThroughputMonitor(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
+    @guarded("on_train_end")
     def _rank_summary(self, rank: int) -> RankThroughput | None:
         """This rank's statistics after warm-up, or ``None`` if no step was measured."""
         measured = self._measured

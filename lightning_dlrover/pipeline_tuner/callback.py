@@ -6,6 +6,10 @@ batches do not depend on the parallelism. Decisions apply between two steps (the
 current sample position). Every decision is a ``pipeline_decision`` event; at the end of fit a
 ``pipeline_tuned`` event, a table (rank 0) and ``<default_root_dir>/pipeline/tuner_rank<r>.png`` and
 ``trace_rank<r>.json``.
+
+A failure inside the tuner (a hook, a decision, a pipeline rebuild it asked for, its report) never ends the fit
+(:mod:`~lightning_dlrover.monitor.guard`): it is reported once (an ``addon_failed`` event and a warning), the
+pipeline goes back to the last configuration the tuner completed a step with, and the tuner stops tuning.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing_extensions import override
 from lightning_dlrover.data.staged import PipelineConfig, PipelinedLoader
 from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import emit
+from lightning_dlrover.monitor.guard import guarded, is_addon_error, report_failure
 from lightning_dlrover.pipeline_tuner.agent import Decision, RLTuner, shrink
 from lightning_dlrover.pipeline_tuner.baselines import FixedTuner, HillClimbTuner
 from lightning_dlrover.pipeline_tuner.harness import Trace, TunerDriver
@@ -74,6 +79,7 @@ class PipelineTuner(Callback):
         self.report_dir = report_dir
         self.driver: TunerDriver | None = None
         self.trace: Trace | None = None
+        self._good: PipelineConfig | None = None  # the pipeline's configuration when the tuner last completed a step
 
     def _make_tuner(self, budget: Budget) -> Any:
         if self.tuner_name == "rl":
@@ -83,8 +89,10 @@ class PipelineTuner(Callback):
         return FixedTuner(self.start or PipelineConfig(), "fixed")
 
     @override
+    @guarded
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loader = find_pipelined_loader(trainer)
+        self._good = loader.config
         memory = self.memory_mb << 20 if self.memory_mb else None
         self.budget = Budget.for_node(max(trainer.num_devices, 1), self.cpus, memory, self.max_prefetch)
         self.tuner = self._make_tuner(self.budget)
@@ -93,14 +101,31 @@ class PipelineTuner(Callback):
         rank_zero_info(f"PipelineTuner ({self.tuner_name}): budget {self.budget.cpus} workers and "
                        f"{self.budget.memory_bytes / 2**20:.0f} MiB per rank; starting at {loader.config.short()}")
 
+    def step_back(self) -> str:
+        """After a failure: the pipeline goes back to the configuration in use when the tuner last completed a step
+        (a change it was making is dropped) and is no longer tuned. Returns that configuration, for the report."""
+        driver, self.driver = self.driver, None
+        if driver is None or self._good is None:
+            return "pipeline unchanged"
+        driver.loader.reconfigure(self._good)
+        return f"pipeline config {self._good.short()} (the last one completed)"
+
     def set_budget(self, cpus: int) -> None:
         """Gives each rank's pipeline ``cpus`` workers in all (e.g. from the resource advisor): the tuner starts
         again from the configuration in use, shrunk to the new budget if needed, and tunes within it."""
         if int(cpus) < 1:
             raise ValueError(f"PipelineTuner.set_budget(cpus={cpus}): give at least 1 worker (the pipeline's budget).")
         self.cpus = int(cpus)
-        if self.driver is None:  # not training yet: on_train_start uses self.cpus
+        if self.driver is None:  # not training yet (on_train_start uses self.cpus), or stepped back after a failure
             return
+        try:
+            self._set_budget(int(cpus))
+        except Exception as error:
+            if not is_addon_error(error):
+                raise
+            report_failure(self, "set_budget", error, self._trainer.global_step)
+
+    def _set_budget(self, cpus: int) -> None:
         self.budget = dataclasses.replace(self.budget, cpus=int(cpus))
         current = self.driver.loader.config
         if self.tuner_name == "fixed":
@@ -113,6 +138,7 @@ class PipelineTuner(Callback):
         self.driver.use_tuner(self.tuner)
         rank_zero_info(f"PipelineTuner ({self.tuner_name}): budget now {self.budget.cpus} workers per rank; "
                        f"from {current.short()} to {self.tuner.first().short()}")
+        self._good = self.tuner.first()
 
     def _emit(self, decision: Decision) -> None:
         obs = decision.observed
@@ -123,12 +149,15 @@ class PipelineTuner(Callback):
              predicted_memory_bytes=decision.predicted_memory)
 
     @override
+    @guarded
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.driver is not None:
             self.driver.after_batch()
+            self._good = self.driver.loader.config
 
     @override
+    @guarded
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.driver is None:
             return

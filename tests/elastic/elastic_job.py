@@ -59,7 +59,12 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=0)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--log", required=True)
+    parser.add_argument("--inject", nargs="*", default=[], help="failures to inject (tests/scripts/inject.py)")
     args = parser.parse_args()
+    if args.inject:
+        from tests.scripts.inject import inject
+
+        inject(args.inject)
     pl.seed_everything(7)
     callbacks = [ElasticBatchScaler(*args.range, policy=args.policy, lr_rule=args.rule,
                                     check_every_n_steps=args.check_every), SampleLog(args.log)]

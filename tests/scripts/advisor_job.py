@@ -301,7 +301,12 @@ def main() -> None:
     p.add_argument("--leak-mb", type=float, default=0.0)
     p.add_argument("--leak-from", type=int, default=5)
     p.add_argument("--headroom-mb", type=float, default=None, help="node memory limit: memory at --leak-from + this")
+    p.add_argument("--inject", nargs="*", default=[], help="failures to inject (tests/scripts/inject.py)")
     args = p.parse_args()
+    if args.inject:
+        from tests.scripts.inject import inject
+
+        inject(args.inject)
 
     pl.seed_everything(args.seed)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # Lightning would set cores // ranks on every rank
