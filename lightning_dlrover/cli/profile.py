@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=10,
                         help="steps over which the LRs ramp from the base batch's to the rule's (0: none)")
     parser.add_argument("--workers", type=int, default=1, help="processes measuring convergence curves at once")
+    parser.add_argument("--curves-dir", default=None,
+                        help="a folder keeping each convergence curve as measured; a rerun reuses them")
     parser.add_argument("--step-times-from", default=None,
                         help="a profile whose step_s and allreduce_s to keep instead of measuring them again")
     args = parser.parse_args(argv)
@@ -43,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         step_s, allreduce_s = measure_step_times(args.step_batches), measure_allreduce()
     samples, per_seed, meta = measure_convergence(sorted(args.batches), args.base_batch, args.budget, args.eval_every,
-                                                  args.seeds, args.warmup_steps, args.workers)
+                                                  args.seeds, args.warmup_steps, args.workers,
+                                                  args.curves_dir)
     meta.update(seconds=time.time() - started, command="python -m lightning_dlrover.cli.profile " + " ".join(
                     argv if argv is not None else sys.argv[1:]), lr_rule="sqrt", warmup_steps=args.warmup_steps,
                 step_times_from=args.step_times_from,

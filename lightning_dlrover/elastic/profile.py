@@ -242,11 +242,19 @@ def loss_curve(batch: int, base_batch: int, samples: int, eval_every: int, seed:
     return curve
 
 
-def _curve_job(args: tuple[int, int, int, int, int, int]) -> list[tuple[int, float]]:
+def _curve_job(job: tuple[tuple[int, int, int, int, int, int], str | None]) -> list[tuple[int, float]]:
+    """One curve; with a folder, read from it if measured before, else measured and written there."""
     import torch
 
+    args, folder = job
+    path = Path(folder) / ("curve_" + "_".join(map(str, args)) + ".json") if folder else None
+    if path is not None and path.exists():
+        return [tuple(p) for p in json.loads(path.read_text())]
     torch.set_num_threads(1)
-    return loss_curve(*args)
+    curve = loss_curve(*args)
+    if path is not None:
+        path.write_text(json.dumps(curve))
+    return curve
 
 
 def _median_censored(values: list[float | None]) -> float | None:
@@ -259,19 +267,20 @@ def _median_censored(values: list[float | None]) -> float | None:
 
 
 def measure_convergence(batches: list[int], base_batch: int, budget: int, eval_every: int, seeds: list[int],
-                        warmup_steps: int = 0, workers: int = 1
+                        warmup_steps: int = 0, workers: int = 1, curves_dir: str | None = None
                         ) -> tuple[dict[int, float | None], dict[int, list[float | None]], dict[str, Any]]:
     """Samples to the target per batch: the median over ``seeds`` (``None``: censored, more than ``3 x budget``
-    for half the seeds or more), each seed's (``None`` where censored), and the curves. ``workers`` processes."""
+    for half the seeds or more), each seed's (``None`` where censored), and the curves. ``workers`` processes;
+    ``curves_dir`` keeps each curve as it is measured, so a measurement stopped half-way goes on from there."""
     import torch.multiprocessing as mp
 
     jobs = [(b, s) for s in seeds for b in batches]
     args = [(b, base_batch, budget * (1 if b == batches[0] else 3), eval_every, s, warmup_steps) for b, s in jobs]
     if workers > 1:
         with mp.get_context("spawn").Pool(workers) as pool:
-            done = pool.map(_curve_job, args, chunksize=1)
+            done = pool.map(_curve_job, [(a, curves_dir) for a in args], chunksize=1)
     else:
-        done = [loss_curve(*a) for a in args]
+        done = [_curve_job((a, curves_dir)) for a in args]
     curves = dict(zip(jobs, done))
     targets = {}
     for s in seeds:

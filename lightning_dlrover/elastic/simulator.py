@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import json
 import math
-from functools import lru_cache
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
