@@ -12,14 +12,16 @@ switches to a given batch of the range at once, and the resource advisor's ``app
 
 A change takes effect at the next batch the loader produces: the loader counts its position in samples, so no
 sample is lost or repeated (see :class:`~lightning_dlrover.data.ResumableLoader`). Each change is recorded
-as a ``batch_rescaled`` event (:mod:`lightning_dlrover.monitor.events`).
+as a ``batch_rescaled`` event (:mod:`lightning_dlrover.monitor.events`). With ``warmup_steps=N`` the learning
+rates go from their old to their new values linearly over the N steps after every change (the change at the start
+of a resumed fit included; a warm-up in progress is checkpointed with the callback's state).
 
 YAML::
 
     trainer:
       callbacks:
         - class_path: lightning_dlrover.ElasticBatchScaler
-          init_args: {min_batch: 256, max_batch: 2048, policy: keep_per_rank, lr_rule: sqrt}
+          init_args: {min_batch: 256, max_batch: 2048, policy: keep_per_rank, lr_rule: sqrt, warmup_steps: 10}
 """
 
 from __future__ import annotations
