@@ -229,3 +229,20 @@ def test_warmup_ramps_every_rate_after_each_batch_change(tmp_path, monkeypatch):
         assert dense == pytest.approx([lr] * len(dense)), step
         assert fused == pytest.approx([lr] * len(fused)), step
         assert kernels == pytest.approx([lr] * len(kernels), rel=1e-5), step
+
+
+def test_a_warmup_in_progress_goes_on_after_a_resume(tmp_path, monkeypatch):
+    """A fit changes the batch at its start (64 -> 32, warmup_steps=4) and is checkpointed 2 steps into the warm-up;
+    the resumed fit trains its next steps at the warm-up's steps 3 and 4, not at the old or the new rate at once."""
+    monkeypatch.chdir(tmp_path)
+    samples = tmp_path / "samples"
+    _fit_one_rank(tmp_path, (16, 32), samples, warmup_steps=4, max_steps=2)
+    rates = _RatesPerStep()
+    _fit_one_rank(tmp_path, (16, 32), samples, warmup_steps=4, extra=[rates], max_steps=4,
+                  resume=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    base, new = 0.05, 0.05 * math.sqrt(32 / 64)
+    assert [step for step, *_ in rates.steps] == [2, 3]
+    for (step, dense, fused, kernels), k in zip(rates.steps, (3, 4)):
+        lr = base + (new - base) * k / 4
+        assert dense + fused == pytest.approx([lr] * (len(dense) + len(fused))), step
+        assert kernels == pytest.approx([lr] * len(kernels), rel=1e-5), step
