@@ -132,3 +132,11 @@ def test_censored_batches_are_lower_bounds_not_clamped_flat(tmp_path):
     assert one.censored == (256, 512) and one.largest_known == 128 and one.samples_to_target[1024] == 7e4
     with pytest.raises(ValueError, match="no convergence curve of seed 5"):
         Profile.load(path, seed=5)
+
+
+def test_median_over_seeds_keeps_censored_seeds_as_more_than_any_value():
+    from lightning_dlrover.elastic.profile import _median_censored
+
+    assert _median_censored([9.0, None, 5.0]) == 9.0  # None sorts last: the median is still known
+    assert _median_censored([None, 5.0, None]) is None  # half or more censored: unknown
+    assert _median_censored([4.0, 6.0, 8.0, None]) == 7.0 and _median_censored([4.0, 6.0, None, None]) is None
