@@ -1,6 +1,7 @@
 """The command line that measures the DLRM profile the simulator uses (:mod:`lightning_dlrover.elastic.profile`):
 
-    python -m lightning_dlrover.cli.profile --out lightning_dlrover/elastic/dlrm_profile.json
+    python -m lightning_dlrover.cli.profile --out lightning_dlrover/elastic/dlrm_profile.json \
+        --seeds 0 1 2 --warmup-steps 10 [--workers 3] [--curves-dir runs/curves]
 
 (``python -m lightning_dlrover.cli.profile`` runs the same.) Imports torch when it runs, not when imported.
 """

@@ -9,8 +9,9 @@ is :mod:`lightning_dlrover.cli.profile`) measures:
 * ``samples_to_target[B]``: training samples until the validation loss (8192 held-out samples of the same
   synthetic distribution, checked every
   ``eval_every`` samples) first reaches the target, at global batch ``B`` with the learning rates scaled by the
-  square-root rule from ``base_batch``. The target is 90% of the loss drop the smallest batch achieves in
-  ``budget`` samples. Several seeds; the median is kept, and each seed's value. A batch that did not reach the
+  square-root rule from ``base_batch`` (reached linearly over the first ``--warmup-steps`` steps, from the base
+  batch's rates, as :class:`~lightning_dlrover.elastic.scaler.ElasticBatchScaler` ``(warmup_steps=...)`` does).
+  The target is 90% of the loss drop the smallest batch achieves in ``budget`` samples. Several seeds; the median is kept, and each seed's value. A batch that did not reach the
   target in ``3 x budget`` samples is *censored*: it needs more than that, how much more is unknown.
 
 :class:`Profile` turns these into the simulator's throughput and convergence curves.
