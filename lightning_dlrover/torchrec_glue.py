@@ -158,6 +158,14 @@ def has_in_backward_optimizer(param: Any) -> bool:
     return bool(getattr(param, "_in_backward_optimizers", None))
 
 
+def in_backward_optimizers(param: Any) -> list[Any]:
+    """The optimizers ``apply_optimizer_in_backward`` gave ``param`` (``[]`` for none), e.g. to change their rate.
+
+    Private reach: TorchRec records them only in the parameter's ``_in_backward_optimizers``.
+    """
+    return list(getattr(param, "_in_backward_optimizers", None) or [])
+
+
 def dmp_wrapped_module(model: nn.Module) -> nn.Module:
     """The module a TorchRec ``DistributedModelParallel`` wraps (after sharding, the ``DistributedDataParallel``
     around the dense part, if any); ``model`` itself when it is no ``DistributedModelParallel``.

@@ -125,7 +125,10 @@ def format_table(results: list[SimResult], trace: str) -> str:
         jct_ratio = (f"{r.mean_jct_s / base.mean_jct_s:.2f}x"
                      if base and base.mean_jct_s and r.mean_jct_s is not None else "-")
         lines.append(f"{trace:<10} {r.policy:<8} {r.completed:>5}/{r.jobs:<3} {ratio:>8} {jct:>10} {jct_ratio:>8} "
-                     f"{r.restarts:>8}")
+                     f"{r.restarts:>8}{' *' if r.optimistic else ''}")
+    if any(r.optimistic for r in results):
+        lines.append("* trained at a batch that never reached the target in the profile: its progress there is an "
+                     "upper bound (jobs at most, JCT at least what it shows)")
     return "\n".join(lines)
 
 

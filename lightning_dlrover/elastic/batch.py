@@ -177,3 +177,11 @@ def scale_learning_rates(optimizers: Iterable[Any], factor: float) -> list[float
 def learning_rates(optimizers: Iterable[Any]) -> list[float]:
     """The ``lr`` of every param group of ``optimizers`` (same order as :func:`scale_learning_rates`)."""
     return [float(g["lr"]) for o in optimizers for leaf in _leaf_optimizers(o) for g in leaf.param_groups]
+
+
+def warmup_rate(old: float, new: float, step: int, steps: int) -> float:
+    """The learning rate ``step`` optimizer steps into a linear warm-up from ``old`` to ``new`` over ``steps``
+    steps: step 1 trains with ``old + (new - old) / steps``, step ``steps`` and later with ``new``."""
+    if steps <= 0 or step >= steps:
+        return new
+    return old + (new - old) * max(step, 0) / steps

@@ -9,8 +9,10 @@ is :mod:`lightning_dlrover.cli.profile`) measures:
 * ``samples_to_target[B]``: training samples until the validation loss (8192 held-out samples of the same
   synthetic distribution, checked every
   ``eval_every`` samples) first reaches the target, at global batch ``B`` with the learning rates scaled by the
-  square-root rule from ``base_batch``. The target is 90% of the loss drop the smallest batch achieves in
-  ``budget`` samples. Several seeds; the median is kept.
+  square-root rule from ``base_batch`` (reached linearly over the first ``--warmup-steps`` steps, from the base
+  batch's rates, as :class:`~lightning_dlrover.elastic.scaler.ElasticBatchScaler` ``(warmup_steps=...)`` does).
+  The target is 90% of the loss drop the smallest batch achieves in ``budget`` samples. Several seeds; the median is kept, and each seed's value. A batch that did not reach the
+  target in ``3 x budget`` samples is *censored*: it needs more than that, how much more is unknown.
 
 :class:`Profile` turns these into the simulator's throughput and convergence curves.
 """
@@ -43,18 +45,39 @@ class Profile:
     samples_to_target: dict[int, float]
     base_batch: int
     meta: dict[str, Any]
-    censored_at: float | None = None  # batches that did not reach the target within this many samples
+    censored_at: float | None = None  # censored batches needed more than this many samples
+    censored: tuple[int, ...] = ()  # batches that did not reach the target (not in samples_to_target)
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> Profile:
-        """The profile at ``path``, or the one shipped with the package."""
+    def load(cls, path: str | Path | None = None, seed: int | None = None) -> Profile:
+        """The profile at ``path``, or the one shipped with the package; with ``seed``, the convergence curve of
+        that seed alone (from ``samples_to_target_seeds``) instead of the median over seeds."""
         text = Path(path).read_text() if path else resources.files("lightning_dlrover.elastic").joinpath(
             DEFAULT_PROFILE).read_text()
         raw = json.loads(text)
-        censored = raw.get("censored_at")
-        needed = {int(k): v if v is not None else censored for k, v in raw["samples_to_target"].items()}
+        needed = raw["samples_to_target"]
+        if seed is not None:
+            seeds = raw.get("meta", {}).get("seeds")
+            if "samples_to_target_seeds" not in raw or seed not in (seeds or []):
+                raise ValueError(f"the profile has no convergence curve of seed {seed} (its seeds: {seeds}); "
+                                 "measure it with python -m lightning_dlrover.cli.profile --seeds ...")
+            needed = {k: v[seeds.index(seed)] for k, v in raw["samples_to_target_seeds"].items()}
         return cls({int(k): v for k, v in raw["step_s"].items()}, raw["allreduce_s"],
-                   {k: v for k, v in needed.items() if v is not None}, raw["base_batch"], raw.get("meta", {}), censored)
+                   {int(k): v for k, v in needed.items() if v is not None}, raw["base_batch"], raw.get("meta", {}),
+                   raw.get("censored_at"), tuple(sorted(int(k) for k, v in needed.items() if v is None)))
+
+    @property
+    def largest_known(self) -> int:
+        """The largest batch whose samples to the target are measured, below every censored batch: beyond it
+        :meth:`samples_needed` is only a lower bound."""
+        known = [b for b in self.samples_to_target if not any(c < b for c in self.censored)]
+        if not known:
+            raise ValueError("the profile has no batch that reached the target; measure with a larger --budget.")
+        return max(known)
+
+    def known(self, global_batch: float) -> bool:
+        """Whether :meth:`samples_needed` at ``global_batch`` is measured (interpolated), not a lower bound."""
+        return global_batch <= self.largest_known
 
     def step_time(self, per_rank_batch: float, ranks: int) -> float:
         """Seconds per step: measured compute at the per-rank batch (linear between measurements) plus a ring
@@ -70,16 +93,24 @@ class Profile:
         return global_batch / self.step_time(global_batch / ranks, ranks)
 
     def samples_needed(self, global_batch: int) -> float:
-        """Samples to the target loss at ``global_batch`` (log-log interpolation between measured batches). A batch
-        that never reached the target counts as ``censored_at`` samples: a lower bound, so larger batches look
-        cheaper here than they are."""
-        xs = sorted(self.samples_to_target)
-        ys = [math.log(self.samples_to_target[x]) for x in xs]
+        """Samples to the target loss at ``global_batch``: log-log interpolation between measured batches up to
+        :attr:`largest_known`. Beyond it a lower bound (see :meth:`known`): ``censored_at`` from the first censored
+        batch on, else the largest known batch's samples (larger batches have never needed fewer here)."""
+        known = {b: v for b, v in self.samples_to_target.items() if b <= self.largest_known}
+        xs = sorted(known)
+        if global_batch > xs[-1]:
+            hit = any(c <= global_batch for c in self.censored) and self.censored_at is not None
+            return float(max(known[xs[-1]], self.censored_at if hit else 0.0))
+        ys = [math.log(known[x]) for x in xs]
         return float(math.exp(np.interp(math.log(global_batch), [math.log(x) for x in xs], ys)))
 
     def efficiency(self, global_batch: int) -> float:
-        """Statistical efficiency relative to ``base_batch``: samples needed there over samples needed here."""
+        """Statistical efficiency relative to ``base_batch``: samples needed there over samples needed here (an
+        upper bound where :meth:`known` is false)."""
         return self.samples_needed(self.base_batch) / self.samples_needed(global_batch)
+
+
+BASE_LR = 0.05
 
 
 def _model_and_optimizer(lr_scale: float, seed: int) -> tuple[Any, Any]:
@@ -96,9 +127,9 @@ def _model_and_optimizer(lr_scale: float, seed: int) -> tuple[Any, Any]:
               for f, n in zip(SPARSE_NAMES, SIZES)]
     model = DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=tables), dense_in_features=NUM_DENSE,
                  dense_arch_layer_sizes=[64, 16], over_arch_layer_sizes=[64, 32, 1])
-    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": 0.05 * lr_scale})
+    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": BASE_LR * lr_scale})
     dense = [p for n, p in model.named_parameters() if not n.startswith("sparse_arch")]
-    return model, torch.optim.Adagrad(dense, lr=0.05 * lr_scale)
+    return model, torch.optim.Adagrad(dense, lr=BASE_LR * lr_scale)
 
 
 def _batches(batch: int, count: int, seed: int, first: int = 0) -> Any:
@@ -178,12 +209,32 @@ def _val_loss(model: Any, val: list[Any]) -> float:
     return float(sum(losses)) / sum(b.labels.numel() for b in val)
 
 
-def loss_curve(batch: int, base_batch: int, samples: int, eval_every: int, seed: int) -> list[tuple[int, float]]:
-    """``(samples seen, validation loss)`` at batch ``batch`` with the square-root LR rule from ``base_batch``."""
+def _set_rate(model: Any, optimizer: Any, lr: float) -> None:
+    """Sets the rate of the dense optimizer and of the tables' in-backward optimizers."""
+    from lightning_dlrover.torchrec_glue import in_backward_optimizers
+
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    for param in model.sparse_arch.parameters():
+        for sparse in in_backward_optimizers(param):
+            for group in sparse.param_groups:
+                group["lr"] = lr
+
+
+def loss_curve(batch: int, base_batch: int, samples: int, eval_every: int, seed: int,
+               warmup_steps: int = 0) -> list[tuple[int, float]]:
+    """``(samples seen, validation loss)`` at batch ``batch`` with the square-root LR rule from ``base_batch``; with
+    ``warmup_steps``, the rates start at the base batch's and reach the rule's linearly over that many steps (as
+    :class:`~lightning_dlrover.elastic.scaler.ElasticBatchScaler` ``(warmup_steps=...)`` does after a change)."""
+    from lightning_dlrover.elastic.batch import warmup_rate
+
+    target = BASE_LR * math.sqrt(batch / base_batch)
     model, optimizer = _model_and_optimizer(math.sqrt(batch / base_batch), seed)
     val = list(_batches(1024, 8, seed=seed, first=1_000_000))  # held out: same labels, unseen samples
     curve, seen, next_eval = [(0, _val_loss(model, val))], 0, eval_every
-    for b in _batches(batch, -(-samples // batch), seed=seed):
+    for step, b in enumerate(_batches(batch, -(-samples // batch), seed=seed), 1):
+        if warmup_steps and batch != base_batch:
+            _set_rate(model, optimizer, warmup_rate(BASE_LR, target, step, warmup_steps))
         _step(model, optimizer, b)
         seen += batch
         if seen >= next_eval:
@@ -192,21 +243,55 @@ def loss_curve(batch: int, base_batch: int, samples: int, eval_every: int, seed:
     return curve
 
 
-def measure_convergence(batches: list[int], base_batch: int, budget: int, eval_every: int,
-                        seeds: list[int]) -> tuple[dict[int, float | None], dict[str, Any]]:
-    curves = {(b, s): loss_curve(b, base_batch, budget * (1 if b == batches[0] else 3), eval_every, s)
-              for s in seeds for b in batches}
-    result, targets = {}, {}
+def _curve_job(job: tuple[tuple[int, int, int, int, int, int], str | None]) -> list[tuple[int, float]]:
+    """One curve; with a folder, read from it if measured before, else measured and written there."""
+    import torch
+
+    args, folder = job
+    path = Path(folder) / ("curve_" + "_".join(map(str, args)) + ".json") if folder else None
+    if path is not None and path.exists():
+        return [tuple(p) for p in json.loads(path.read_text())]
+    torch.set_num_threads(1)
+    curve = loss_curve(*args)
+    if path is not None:
+        path.write_text(json.dumps(curve))
+    return curve
+
+
+def _median_censored(values: list[float | None]) -> float | None:
+    """Median of right-censored values (``None``: more than any value): known while fewer than half are censored."""
+    ordered = sorted(values, key=lambda v: math.inf if v is None else v)
+    if len(ordered) % 2:
+        return ordered[len(ordered) // 2]
+    low, high = ordered[len(ordered) // 2 - 1], ordered[len(ordered) // 2]
+    return None if low is None or high is None else (low + high) / 2
+
+
+def measure_convergence(batches: list[int], base_batch: int, budget: int, eval_every: int, seeds: list[int],
+                        warmup_steps: int = 0, workers: int = 1, curves_dir: str | None = None
+                        ) -> tuple[dict[int, float | None], dict[int, list[float | None]], dict[str, Any]]:
+    """Samples to the target per batch: the median over ``seeds`` (``None``: censored, more than ``3 x budget``
+    for half the seeds or more), each seed's (``None`` where censored), and the curves. ``workers`` processes;
+    ``curves_dir`` keeps each curve as it is measured, so a measurement stopped half-way goes on from there."""
+    import torch.multiprocessing as mp
+
+    jobs = [(b, s) for s in seeds for b in batches]
+    args = [(b, base_batch, budget * (1 if b == batches[0] else 3), eval_every, s, warmup_steps) for b, s in jobs]
+    if workers > 1:
+        with mp.get_context("spawn").Pool(workers) as pool:
+            done = pool.map(_curve_job, [(a, curves_dir) for a in args], chunksize=1)
+    else:
+        done = [_curve_job((a, curves_dir)) for a in args]
+    curves = dict(zip(jobs, done))
+    targets = {}
     for s in seeds:
         first = curves[(batches[0], s)]
         start, best = first[0][1], min(loss for _, loss in first)
         targets[s] = best + 0.1 * (start - best)
+    per_seed: dict[int, list[float | None]] = {}
     for b in batches:
-        reached = []
-        for s in seeds:
-            hit = next((seen for seen, loss in curves[(b, s)] if seen > 0 and loss <= targets[s]), None)
-            reached.append(hit)
-        ok = [r for r in reached if r is not None]
-        result[b] = float(statistics.median(ok)) if len(ok) == len(reached) else None
-    meta = {"targets": targets, "curves": {f"{b}/{s}": c for (b, s), c in curves.items()}}
-    return result, meta
+        per_seed[b] = [next((float(seen) for seen, loss in curves[(b, s)] if seen > 0 and loss <= targets[s]), None)
+                       for s in seeds]
+    result = {b: _median_censored(v) for b, v in per_seed.items()}
+    meta = {"targets": targets, "seeds": seeds, "curves": {f"{b}/{s}": c for (b, s), c in curves.items()}}
+    return result, per_seed, meta

@@ -12,7 +12,9 @@ switches to a given batch of the range at once, and the resource advisor's ``app
 
 A change takes effect at the next batch the loader produces: the loader counts its position in samples, so no
 sample is lost or repeated (see :class:`~lightning_dlrover.data.ResumableLoader`). Each change is recorded
-as a ``batch_rescaled`` event (:mod:`lightning_dlrover.monitor.events`).
+as a ``batch_rescaled`` event (:mod:`lightning_dlrover.monitor.events`). With ``warmup_steps=N`` the learning
+rates go from their old to their new values linearly over the N steps after every change (the change at the start
+of a resumed fit included; a warm-up in progress is checkpointed with the callback's state).
 
 A failure inside the scaler never ends the fit (:mod:`~lightning_dlrover.monitor.guard`): a change that failed on
 any rank (e.g. the batch changed but the learning rates could not be set) is put back on every rank (batch and
@@ -24,7 +26,7 @@ YAML::
     trainer:
       callbacks:
         - class_path: lightning_dlrover.ElasticBatchScaler
-          init_args: {min_batch: 256, max_batch: 2048, policy: keep_per_rank, lr_rule: sqrt}
+          init_args: {min_batch: 256, max_batch: 2048, policy: keep_per_rank, lr_rule: sqrt, warmup_steps: 10}
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from lightning_dlrover.elastic.batch import (
     learning_rates,
     lr_factor,
     scale_learning_rates,
+    warmup_rate,
 )
 from lightning_dlrover.elastic.goodput import GoodputModel, GradientNoiseProbe, NoiseScaleEstimator
 from lightning_dlrover.monitor.events import emit
@@ -117,14 +120,22 @@ class ElasticBatchScaler(Callback):
         lr_rule: ``linear``, ``sqrt``, ``adascale`` or ``none`` (see :mod:`lightning_dlrover.elastic.batch`).
         check_every_n_steps: how often the goodput policy reconsiders the batch.
         min_gain: predicted goodput gain a goodput switch needs.
+        warmup_steps: after every batch change (one at the start of a fit included), the learning rates go from
+            their old values to the rule's new ones linearly over this many steps instead of at once (0: at once).
     """
 
     def __init__(self, min_batch: int, max_batch: int, per_rank_max: int | None = None, policy: Policy = "keep_global",
-                 lr_rule: LRRule = "sqrt", check_every_n_steps: int = 50, min_gain: float = 0.05) -> None:
+                 lr_rule: LRRule = "sqrt", check_every_n_steps: int = 50, min_gain: float = 0.05,
+                 warmup_steps: int = 0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"ElasticBatchScaler(policy={policy!r}): choose one of {list(POLICIES)}.")
         if lr_rule not in LR_RULES:
             raise ValueError(f"ElasticBatchScaler(lr_rule={lr_rule!r}): choose one of {list(LR_RULES)}.")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"ElasticBatchScaler(warmup_steps={warmup_steps!r}): give a number of steps >= 0 "
+                             "(0 changes the learning rates at once).")
+        self.warmup_steps = warmup_steps
+        self._ramp: tuple[list[float], int] | None = None  # (rates the warm-up starts from, steps it has taken)
         self.range = BatchRange(min_batch, max_batch, per_rank_max)
         self.policy, self.lr_rule = policy, lr_rule
         self.check_every_n_steps, self.min_gain = check_every_n_steps, min_gain
@@ -159,7 +170,8 @@ class ElasticBatchScaler(Callback):
         est = self.probe.estimator
         return {"world_size": self._world_size, "global_batch": self._global_batch, "lrs": self._lrs,
                 "noise": [est.grad_sqr, est.grad_var, est.measurements],
-                "base_batch": self.goodput.base_batch if self.goodput else None}
+                "base_batch": self.goodput.base_batch if self.goodput else None,
+                "warmup": list(self._ramp) if self._ramp else None}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -179,6 +191,7 @@ class ElasticBatchScaler(Callback):
             est.grad_sqr, est.grad_var, est.measurements = saved["noise"]
             self._global_batch, self._world_size = saved["global_batch"], saved["world_size"]
             base = saved.get("base_batch") or saved["global_batch"]
+            self._ramp = tuple(saved["warmup"]) if saved.get("warmup") else None
         else:
             self._global_batch, self._world_size = int(loader.global_batch_size), world
             base = self._global_batch
@@ -244,7 +257,17 @@ class ElasticBatchScaler(Callback):
     @guarded
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._recount_now(trainer)
+        self._warm_up(trainer)
         self._step_start = time.perf_counter()
+
+    def _warm_up(self, trainer: pl.Trainer) -> None:
+        """Sets this step's rates of a warm-up in progress: from where they were at the change to the rule's."""
+        if self._ramp is None:
+            return
+        start, done = self._ramp[0], self._ramp[1] + 1
+        _set_learning_rates(_optimizers(trainer),
+                            [warmup_rate(old, new, done, self.warmup_steps) for old, new in zip(start, self._lrs)])
+        self._ramp = None if done >= self.warmup_steps else (start, done)
 
     @override
     @guarded
@@ -312,19 +335,24 @@ class ElasticBatchScaler(Callback):
         noise = self.goodput.noise_scale if self.goodput else None
         optimizers = _optimizers(trainer)
         loader = _train_loader(trainer)
-        before = (int(loader.global_batch_size), learning_rates(optimizers), self._lrs, self._recount)
+        before = (int(loader.global_batch_size), learning_rates(optimizers), self._lrs, self._recount, self._ramp)
         try:
+            start = learning_rates(optimizers)  # mid warm-up: the rates of its last step
             loader.global_batch_size = decision.global_batch
             self._recount = True  # at the next batch (the epoch loop is not set up yet at train start) or at once
-            scale_learning_rates(optimizers, decision.lr_factor)
+            if self._ramp is None:
+                scale_learning_rates(optimizers, decision.lr_factor)
+            else:  # mid warm-up: the new rates are the rule's from the ones it was heading to
+                _set_learning_rates(optimizers, [lr * decision.lr_factor for lr in self._lrs])
             self._lrs = learning_rates(optimizers)
+            self._ramp = (start, 0) if self.warmup_steps else None
             error = None
         except Exception as err:
             if not is_addon_error(err):
                 raise
             error = err
         if not self._all_ranks_ok(error is None):  # a change half made, or made on some ranks only: put it back
-            loader.global_batch_size, self._lrs, self._recount = before[0], before[2], before[3]
+            loader.global_batch_size, self._lrs, self._recount, self._ramp = before[0], before[2], before[3], before[4]
             _set_learning_rates(optimizers, before[1])
             raise error or RuntimeError(f"another rank failed to switch the global batch {old_batch} -> "
                                         f"{decision.global_batch}; put back here too")

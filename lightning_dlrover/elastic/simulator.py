@@ -11,8 +11,13 @@ give the allocator for a job at ``(ranks, B)``:
   the paper's baseline);
 * ``dp``: any batch in range, valued as if the samples needed did not depend on the batch (Saxena et al.'s
   premise): ``throughput(ranks, B) / (work x samples_needed(B0))``;
-* ``goodput``: any batch in range, valued by true progress: ``throughput(ranks, B) / (work x samples_needed(B))``
-  (throughput x statistical efficiency, as Pollux does).
+* ``goodput``: any batch in range whose samples needed are measured, valued by true progress:
+  ``throughput(ranks, B) / (work x samples_needed(B))`` (throughput x statistical efficiency, as Pollux does).
+
+A batch that never reached the target in the profile (censored, :meth:`Profile.known` false) needs *more* than
+``samples_needed(B)`` samples: ``goodput`` does not choose it (it cannot value it), and a policy that runs a job
+there (``dp``) progresses at ``samples_needed(B)``, an upper bound on its progress; its result is then marked
+``optimistic`` (jobs completed at most, JCT at least what it reports).
 
 Progress always follows the measured curve. A job whose ``(ranks, B)`` changes pauses ``restart_s`` seconds
 (an elastic restart); the allocator sees this as a cost (a choice other than the current one is worth
@@ -81,6 +86,7 @@ class SimResult:
     decisions: list[Decision] = field(default_factory=list)
     restarts: int = 0
     capacity: list[tuple[float, int]] = field(default_factory=list)  # (time, devices up): at 0, after each change
+    optimistic: bool = False  # some job ran at a censored batch: its progress there is an upper bound
 
     def summary(self) -> dict:
         out = asdict(self)
@@ -136,6 +142,8 @@ def simulate(trace: list[TraceJob], profile: Profile, policy: str, devices: int,
         jobs = []
         for name, run in active.items():
             lo, hi = (run.job.base_batch,) * 2 if policy == "fixed" else run.job.batch_range
+            if policy == "goodput":  # only batches whose samples needed are measured
+                hi = max(lo, min(hi, profile.largest_known))
             current = run.choice
 
             def value(r: int, b: int, run: _Running = run, current: tuple[int, int] | None = current) -> float:
@@ -150,6 +158,7 @@ def simulate(trace: list[TraceJob], profile: Profile, policy: str, devices: int,
                 result.decisions.append(Decision(t, name, *(new or (0, 0))))
                 if new is not None:
                     run.paused_until = t + restart_s
+                    result.optimistic |= not profile.known(new[1])
                     result.restarts += 1
                 run.choice = new
 

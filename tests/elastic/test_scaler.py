@@ -22,6 +22,8 @@ def test_bad_arguments_rejected():
         ElasticBatchScaler(64, 256, policy="biggest")
     with pytest.raises(ValueError, match="lr_rule='cubic'"):
         ElasticBatchScaler(64, 256, lr_rule="cubic")
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        ElasticBatchScaler(64, 256, warmup_steps=-1)
 
 
 def _job(tmp_path, *args):
@@ -138,7 +140,7 @@ class _AdvisorAsks(pl.Callback):
             find_control(trainer.callbacks, BatchSizeControl).set_batch_per_rank(self.batch)
 
 
-def _fit_one_rank(tmp_path, batch_range, samples, **trainer_args):
+def _fit_one_rank(tmp_path, batch_range, samples, warmup_steps=0, extra=(), **trainer_args):
     import torch.distributed as dist
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -149,7 +151,8 @@ def _fit_one_rank(tmp_path, batch_range, samples, **trainer_args):
 
     pl.seed_everything(7)
     resume = trainer_args.pop("resume", None)
-    callbacks = [ElasticBatchScaler(*batch_range, policy="keep_global", lr_rule="sqrt"), SampleLog(str(samples))]
+    callbacks = [ElasticBatchScaler(*batch_range, policy="keep_global", lr_rule="sqrt", warmup_steps=warmup_steps),
+                 SampleLog(str(samples)), *extra]
     if resume is not None:
         callbacks.append(_AdvisorAsks(step=4, batch=16))
     else:
@@ -189,3 +192,57 @@ def test_a_smaller_batch_mid_epoch_trains_the_rest_of_the_epoch(tmp_path, monkey
     every = sample_hashes(make_batch(*source.rows(0, 384)).dense_features)
     trained = [h for r in log for h in r["samples"]]
     assert trained == every[:128] + every[128:] + every  # epoch 0 to its end at batch 32, then epoch 1 in full
+
+
+class _RatesPerStep(pl.Callback):
+    """Records, at every step, the rates it trains with: the dense optimizer's, the fused embedding optimizers' and
+    their FBGEMM kernels' (read after the scaler's hook, before the forward)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, list[float], list[float], list[float]]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lightning_dlrover.elastic.batch import _leaf_optimizers, learning_rates
+
+        fused = list(_leaf_optimizers(trainer.strategy.fused_optimizer))
+        kernels = [leaf._emb_module.get_learning_rate() for leaf in fused if hasattr(leaf, "_emb_module")]
+        assert kernels, "no fused embedding kernel found"
+        self.steps.append((trainer.global_step, learning_rates(trainer.optimizers), learning_rates(fused), kernels))
+
+
+def test_warmup_ramps_every_rate_after_each_batch_change(tmp_path, monkeypatch):
+    """With warmup_steps=4, a fit resumed at a batch out of range (64 -> 32, the first step of the run at a new
+    batch) and then halved by the advisor (32 -> 16 after step 4) trains each change's first 4 steps with rates going
+    linearly from the old to the new: dense, fused-embedding and kernel rates alike, step by step."""
+    monkeypatch.chdir(tmp_path)
+    samples = tmp_path / "samples"
+    _fit_one_rank(tmp_path, (32, 256), samples, max_steps=2)
+    rates = _RatesPerStep()
+    _fit_one_rank(tmp_path, (16, 32), samples, warmup_steps=4, extra=[rates], max_steps=12,
+                  resume=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    base, first, second = 0.05, 0.05 * math.sqrt(32 / 64), 0.05 * math.sqrt(16 / 64)
+    ramp1 = [base + (first - base) * k / 4 for k in (1, 2)]  # steps 2 and 3; the advisor asks as step 4 is reached
+    ramp2 = [ramp1[-1] + (second - ramp1[-1]) * k / 4 for k in (1, 2, 3, 4)]  # from where the first ramp was
+    expected = ramp1 + ramp2 + [second] * 4
+    assert [step for step, *_ in rates.steps] == list(range(2, 12))
+    for (step, dense, fused, kernels), lr in zip(rates.steps, expected):
+        assert dense == pytest.approx([lr] * len(dense)), step
+        assert fused == pytest.approx([lr] * len(fused)), step
+        assert kernels == pytest.approx([lr] * len(kernels), rel=1e-5), step
+
+
+def test_a_warmup_in_progress_goes_on_after_a_resume(tmp_path, monkeypatch):
+    """A fit changes the batch at its start (64 -> 32, warmup_steps=4) and is checkpointed 2 steps into the warm-up;
+    the resumed fit trains its next steps at the warm-up's steps 3 and 4, not at the old or the new rate at once."""
+    monkeypatch.chdir(tmp_path)
+    samples = tmp_path / "samples"
+    _fit_one_rank(tmp_path, (16, 32), samples, warmup_steps=4, max_steps=2)
+    rates = _RatesPerStep()
+    _fit_one_rank(tmp_path, (16, 32), samples, warmup_steps=4, extra=[rates], max_steps=4,
+                  resume=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    base, new = 0.05, 0.05 * math.sqrt(32 / 64)
+    assert [step for step, *_ in rates.steps] == [2, 3]
+    for (step, dense, fused, kernels), k in zip(rates.steps, (3, 4)):
+        lr = base + (new - base) * k / 4
+        assert dense + fused == pytest.approx([lr] * (len(dense) + len(fused))), step
+        assert kernels == pytest.approx([lr] * len(kernels), rel=1e-5), step

@@ -1,10 +1,12 @@
 """The trace-driven simulator: deterministic for a seed, policies, traces, node losses, cluster actions, CLI."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from lightning_dlrover.cli.simulate import cluster_actions, main
+from lightning_dlrover.elastic import profile as profile_module
 from lightning_dlrover.elastic.profile import Profile
 from lightning_dlrover.elastic.simulator import (
     Decision, TraceJob, bursty_trace, node_loss_schedule, simulate, synthetic_trace,
@@ -88,9 +90,55 @@ def test_shipped_profile_is_a_measurement():
     # measured by the profile command line (lightning_dlrover.elastic.profile before it moved into cli/)
     assert profile.meta["command"].startswith(("python -m lightning_dlrover.cli.profile",
                                                "python -m lightning_dlrover.elastic.profile"))
-    for key, curve in profile.meta["curves"].items():  # the samples-to-target entries follow from the curves
+    raw = json.loads((Path(profile_module.__file__).with_name("dlrm_profile.json")).read_text())
+    seeds = profile.meta["seeds"]
+    assert len(seeds) >= 3 and profile.meta["warmup_steps"] > 0
+    for key, curve in profile.meta["curves"].items():  # each seed's samples to the target follow from its curve
         batch, seed = map(int, key.split("/"))
         target = profile.meta["targets"][str(seed)]
         hit = next((seen for seen, loss in curve if seen > 0 and loss <= target), None)
-        assert hit is None or hit <= profile.samples_to_target[batch] * 2 + 1  # the median over seeds
+        assert raw["samples_to_target_seeds"][str(batch)][seeds.index(seed)] == hit
+    for batch, hits in raw["samples_to_target_seeds"].items():  # the median, censored where half or more are
+        reached = sorted(h for h in hits if h is not None)
+        if 2 * len(reached) <= len(hits):
+            assert int(batch) in profile.censored
+        else:
+            assert profile.samples_to_target[int(batch)] >= reached[0]
     assert profile.samples_needed(1024) >= profile.samples_needed(128)
+
+
+def test_censored_batches_are_lower_bounds_not_clamped_flat(tmp_path):
+    """A profile whose batches 512 and 1024 never reached the target (censored at 73,728 samples): they need more
+    than that, so the goodput policy does not pick them (it used to value both at exactly 73,728 samples, flat, and
+    then pick 1024 for its throughput), and a DP run that trains there is marked optimistic (an upper bound)."""
+    path = tmp_path / "censored.json"
+    path.write_text(json.dumps({"step_s": PROFILE.step_s, "allreduce_s": PROFILE.allreduce_s, "base_batch": 128,
+                                "samples_to_target": {"64": 2e4, "128": 3e4, "256": 6e4, "512": None, "1024": None},
+                                "samples_to_target_seeds": {"64": [2e4, 2e4, 1e4], "128": [3e4, 3e4, 2e4],
+                                                            "256": [6e4, None, 5e4], "512": [None] * 3,
+                                                            "1024": [None, 7e4, None]},
+                                "censored_at": 73728, "meta": {"seeds": [0, 1, 2]}}))
+    profile = Profile.load(path)
+    trace = [TraceJob("a", 0.0, 20.0, (64, 1024), 128, 8)]
+    good = simulate(trace, profile, "goodput", 8, 1e6)
+    assert max(d.global_batch for d in good.decisions) <= 256
+    assert not good.optimistic
+    assert profile.censored == (512, 1024) and profile.largest_known == 256
+    assert profile.known(256) and not profile.known(257) and not profile.known(1024)
+    assert profile.samples_needed(384) == 6e4 and profile.samples_needed(1024) == 73728  # lower bounds
+    dp = simulate(trace, profile, "dp", 8, 1e6)
+    assert max(d.global_batch for d in dp.decisions) == 1024 and dp.optimistic
+    assert not simulate(trace, profile, "fixed", 8, 1e6).optimistic
+    # one seed's curve: seed 1 reached at 1024 but not at 256, so only batches up to 128 are known for it
+    one = Profile.load(path, seed=1)
+    assert one.censored == (256, 512) and one.largest_known == 128 and one.samples_to_target[1024] == 7e4
+    with pytest.raises(ValueError, match="no convergence curve of seed 5"):
+        Profile.load(path, seed=5)
+
+
+def test_median_over_seeds_keeps_censored_seeds_as_more_than_any_value():
+    from lightning_dlrover.elastic.profile import _median_censored
+
+    assert _median_censored([9.0, None, 5.0]) == 9.0  # None sorts last: the median is still known
+    assert _median_censored([None, 5.0, None]) is None  # half or more censored: unknown
+    assert _median_censored([4.0, 6.0, 8.0, None]) == 7.0 and _median_censored([4.0, 6.0, None, None]) is None
