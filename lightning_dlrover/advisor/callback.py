@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_dlrover.advisor.act import Actor
 from lightning_dlrover.advisor.config import AdvisorConfig
-from lightning_dlrover.advisor.detectors import OOMForecaster, StragglerDetector
+from lightning_dlrover.advisor.detectors import OOMForecaster, StepSample, StragglerDetector
 from lightning_dlrover.advisor.model import Observation, PerformanceModel
 from lightning_dlrover.advisor.recommend import Recommendation
 from lightning_dlrover.advisor.recorder import JobRecorder
@@ -35,7 +35,7 @@ from lightning_dlrover.advisor.restart import RestartDecision, RestartMode
 from lightning_dlrover.advisor.runtime import RuntimeWatch, broadcast
 from lightning_dlrover.advisor.window import ProfilingWindow, RecommendedAt
 from lightning_dlrover.log import get_logger, rank_zero_report
-from lightning_dlrover.monitor import ThroughputMonitor, emit
+from lightning_dlrover.monitor import ThroughputMonitor, collectives, emit
 
 if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
     from lightning_dlrover.advisor.history import JobHistory
@@ -80,7 +80,7 @@ class ResourceAdvisor(Callback):
                  objective: Literal["throughput", "cost"] = "throughput", target_samples_per_sec: float | None = None,
                  search: SearchSpace | dict | None = None, history: str | None = "user", warm_start: bool = True,
                  min_similarity: float = 0.3, check_every_n_steps: int = 10, straggler_threshold: float = 1.5,
-                 straggler_patience: int = 2, memory_limit_bytes: int | None = None,
+                 straggler_patience: int = 1, memory_limit_bytes: int | None = None,
                  oom_horizon_steps: int | None = None, hot_rank_factor: float = 1.5, cost_per_node_hour: float = 1.0,
                  cost_per_core_hour: float = 0.0, extrapolate: bool = False, report_dir: str | None = None,
                  restart: RestartMode = "print") -> None:
@@ -159,6 +159,12 @@ class ResourceAdvisor(Callback):
         self._features = table_features(pl_module)
         self.oom = OOMForecaster(self.config.memory_limit_bytes or self.machine.memory_bytes, horizon_steps=10**9)
         self._started = False
+        collectives.install()  # every rank's time waiting in collectives, for the straggler detector
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            collectives.uninstall()
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -190,6 +196,7 @@ class ResourceAdvisor(Callback):
 
     # ------------------------------------------------------------------------------------------------ steps
     @override
+    @collectives.add_on_hook  # the advisor's own work is left out of the steps it measures
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._started:
             self._start(trainer, batch)
@@ -197,6 +204,7 @@ class ResourceAdvisor(Callback):
             self.watch.lookups.observe(batch, hot_rows=trainer.global_step % 10 == 0)
 
     @override
+    @collectives.add_on_hook
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         record = self.monitor.last_step
@@ -205,8 +213,10 @@ class ResourceAdvisor(Callback):
         self._seen = record.index
         step = trainer.global_step
         data = record.sections.get("data_wait", 0.0)
-        self.watch.add_step(step, record.seconds, data, record.busy_seconds, float(record.rss_bytes),
-                            record.data_busy_seconds)
+        timed = collectives.installed()
+        self.watch.add_step(StepSample(step, record.seconds, data, record.busy_seconds, float(record.rss_bytes),
+                                       record.data_busy_seconds, record.collective_seconds if timed else None,
+                                       record.run_wait_seconds, record.data_run_wait_seconds))
         self.actor.applier.check(step, record.samples)
         if self.window.measure(trainer, step, record.seconds, data, float(record.rss_bytes), self.actor.current):
             self._recommend(trainer, step)
