@@ -215,8 +215,7 @@ class ResourceAdvisor(Callback):
         data = record.sections.get("data_wait", 0.0)
         timed = collectives.installed()
         self.watch.add_step(StepSample(step, record.seconds, data, record.busy_seconds, float(record.rss_bytes),
-                                       record.data_busy_seconds, record.collective_seconds if timed else None,
-                                       record.run_wait_seconds, record.data_run_wait_seconds))
+                                       record.data_busy_seconds, record.collective_seconds if timed else None))
         self.actor.applier.check(step, record.samples)
         if self.window.measure(trainer, step, record.seconds, data, float(record.rss_bytes), self.actor.current):
             self._recommend(trainer, step)

@@ -32,7 +32,7 @@ STRAGGLER_CAUSES = ("data wait", "compute", "idle")
 class StepSample:
     """One measured step of one rank: the fields of its
     :class:`~lightning_dlrover.monitor.steps.StepRecord` (``step_s``: ``seconds``, ``data_s``: its ``data_wait``,
-    ``busy_s``, ``data_busy_s``, ``rss``, ``run_wait_s``, ``data_run_wait_s``), at global step ``step``;
+    ``busy_s``, ``data_busy_s``, ``rss``), at global step ``step``;
     ``collective_s`` is ``None`` when collectives are not timed."""
 
     step: int
@@ -42,8 +42,6 @@ class StepSample:
     rss: float = 0.0
     data_busy_s: float = 0.0
     collective_s: float | None = None
-    run_wait_s: float = 0.0
-    data_run_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -61,9 +59,9 @@ class RankWindow:
             child processes are in ``children``).
         data_busy_s: main-thread running/runnable seconds per step inside the data wait (making batches, callbacks).
         collective_s: seconds per step with a collective in flight (``None``: not timed).
-        own_work_s: seconds per step this rank took on its own (median over steps): its data wait, its main
-            thread on a CPU in the step (``cpu_s``) and its idling (``idle_s``), less its waits for a CPU.
-        cpu_s: seconds per step the main thread was on a CPU in the step (``busy_s`` less the wait for a CPU).
+        own_wall_s: seconds per step outside collectives (median over steps of ``step - collective``): its data
+            wait, compute (waits for a CPU included: a rank that needs more CPU than others waits longer for it) and
+            idling.
         idle_s: seconds per step blocked outside collectives and the data wait (sleep, I/O, locks).
         pid: the rank's process id (0: unknown).
         children: ``(pid, bytes)`` resident memory of each descendant process at the window's end.
@@ -79,9 +77,8 @@ class RankWindow:
     rss: tuple[tuple[int, float], ...] = ()
     data_busy_s: float = 0.0
     collective_s: float | None = None
-    own_work_s: float = 0.0
+    own_wall_s: float = 0.0
     idle_s: float = 0.0
-    cpu_s: float = 0.0
     pid: int = 0
     children: tuple[tuple[int, float], ...] = ()
 
@@ -98,30 +95,20 @@ class RankWindow:
                    data_s=med(s.data_s for s in steps), busy_s=med(s.busy_s for s in steps),
                    rss=tuple((s.step, s.rss) for s in steps), data_busy_s=med(s.data_busy_s for s in steps),
                    collective_s=med(coll) if timed else None,
-                   own_work_s=med(_own(s, c) for s, c in zip(steps, coll)),
-                   idle_s=med(_idle(s, c) for s, c in zip(steps, coll)),
-                   cpu_s=med(max(0.0, s.busy_s - s.run_wait_s) for s in steps), pid=pid, children=tuple(children))
+                   own_wall_s=med(max(0.0, s.step_s - c) for s, c in zip(steps, coll)),
+                   idle_s=med(max(0.0, s.step_s - s.data_s - s.busy_s - c) for s, c in zip(steps, coll)), pid=pid,
+                   children=tuple(children))
 
     @property
     def own_s(self) -> float:
         """Seconds per step this rank spent on its own (not waiting for peers): outside collectives when they are
         timed, else the main thread's work in the data wait and in the step."""
-        return self.own_work_s if self.collective_s is not None else self.data_busy_s + self.busy_s
+        return self.own_wall_s if self.collective_s is not None else self.data_busy_s + self.busy_s
 
     @property
     def blocked_s(self) -> float:
         """Seconds per step blocked inside the step (in collectives and idling)."""
         return max(0.0, self.step_s - self.data_s - self.busy_s)
-
-
-def _idle(s: StepSample, collective: float) -> float:
-    """Seconds of the step blocked outside the data wait and outside collectives (a sleep, I/O, a lock)."""
-    return max(0.0, s.step_s - s.data_s - s.busy_s - collective)
-
-
-def _own(s: StepSample, collective: float) -> float:
-    """Seconds of the step the rank took on its own: data wait, on a CPU, idle (not waiting for peers or a CPU)."""
-    return max(0.0, s.data_s - s.data_run_wait_s) + max(0.0, s.busy_s - s.run_wait_s) + _idle(s, collective)
 
 
 @dataclass(frozen=True)
@@ -159,7 +146,7 @@ class StragglerDetector:
     """
 
     def __init__(self, threshold: float = 1.5, patience: int = 1, min_excess_s: float = 0.002,
-                 comm_share: float = 0.5, min_share: float = 0.25) -> None:
+                 comm_share: float = 0.5, min_share: float = 0.3) -> None:
         if threshold <= 1:
             raise ValueError(f"straggler threshold={threshold} must be above 1 (a ratio to the median rank).")
         if patience < 1:
@@ -207,13 +194,13 @@ class StragglerDetector:
         med = statistics.median
         step_s = med(o.step_s for o in [w, *others])
         if timed:
-            own = med(o.own_work_s for o in others)
-            if not self._slow(w.own_work_s, own, step_s):
+            own = med(o.own_wall_s for o in others)
+            if not self._slow(w.own_wall_s, own, step_s):
                 return None
             excess = {"data wait": w.data_s - med(o.data_s for o in others),
-                      "compute": w.cpu_s - med(o.cpu_s for o in others),
+                      "compute": w.busy_s - med(o.busy_s for o in others),
                       "idle": w.idle_s - med(o.idle_s for o in others)}
-            return max(excess, key=excess.__getitem__), w.own_work_s / max(own, 1e-9), w.own_work_s - own
+            return max(excess, key=excess.__getitem__), w.own_wall_s / max(own, 1e-9), w.own_wall_s - own
         own = med(o.own_s for o in others)
         if self._slow(w.own_s, own, step_s):
             data = w.data_busy_s - med(o.data_busy_s for o in others)

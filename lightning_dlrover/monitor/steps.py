@@ -35,9 +35,6 @@ class StepRecord:
             transfers. The rank the others wait for has the least.
         add_on_seconds: wall seconds of add-on work (the resource advisor's) taken out of this step's ``seconds``,
             ``data_wait``, busy and collective seconds.
-        run_wait_seconds, data_run_wait_seconds: the part of ``busy_seconds`` and ``data_busy_seconds`` the main
-            thread was runnable but waiting for a CPU (other programs or threads had them; 0 where the kernel does
-            not report it).
     """
 
     index: int
@@ -50,8 +47,6 @@ class StepRecord:
     data_busy_seconds: float = 0.0
     collective_seconds: float = 0.0
     add_on_seconds: float = 0.0
-    run_wait_seconds: float = 0.0
-    data_run_wait_seconds: float = 0.0
 
 
 def thread_busy_seconds() -> float:
@@ -65,14 +60,6 @@ def thread_busy_seconds() -> float:
     except (OSError, ValueError):
         pass
     return time.thread_time()
-
-
-def thread_run_wait_seconds() -> float:
-    """Seconds the calling thread has waited for a CPU while runnable (``/proc/thread-self/schedstat``), else 0."""
-    try:
-        return int(_SCHEDSTAT.read_text().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def rss_bytes() -> int:

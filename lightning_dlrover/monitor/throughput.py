@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor.collectives import collective_seconds, installed, pop_add_on_work
-from lightning_dlrover.monitor.steps import StepRecord, rss_bytes, thread_busy_seconds, thread_run_wait_seconds
+from lightning_dlrover.monitor.steps import StepRecord, rss_bytes, thread_busy_seconds
 from lightning_dlrover.monitor.summary import _MB, RankThroughput, ThroughputSummary, _memory_bytes, _Totals
 from lightning_dlrover.monitor.timing import BUILTIN_SECTIONS, StepTimer, _infer_batch_size
 
@@ -118,14 +118,14 @@ class ThroughputMonitor(Callback):
         self._summary_stats = None
         self.last_step = None
         self._mark = self._now()
-        self._busy_mark, self._wait_mark = thread_busy_seconds(), thread_run_wait_seconds()
+        self._busy_mark = thread_busy_seconds()
         if (timer := self._step_timer(trainer)) is not None:
             timer.pop_step()  # drop sections timed during set-up
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Start the first step's data wait here, not at the end of the previous epoch."""
         self._mark = self._now()
-        self._busy_mark, self._wait_mark = thread_busy_seconds(), thread_run_wait_seconds()
+        self._busy_mark = thread_busy_seconds()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Keep validation inside the training loop out of the next step's data wait."""
@@ -144,8 +144,6 @@ class ThroughputMonitor(Callback):
         self._mark = now
         self._start_time, self._busy_start = time.time(), thread_busy_seconds()
         self._data_busy = max(0.0, self._busy_start - self._busy_mark - add_on.busy)
-        self._wait_start = thread_run_wait_seconds()
-        self._data_run_wait = self._wait_start - self._wait_mark
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         """Close a forward section."""
@@ -174,14 +172,13 @@ class ThroughputMonitor(Callback):
         seconds = now - self._step_start
         samples = self._batch_size(batch)
         self._steps += 1
-        self._busy_mark, self._wait_mark = thread_busy_seconds(), thread_run_wait_seconds()
+        self._busy_mark = thread_busy_seconds()
         start, inside = self._add_on, pop_add_on_work()  # add-on work before and inside the step
         waited = collective_seconds(self._step_start, now) if installed() else 0.0
         self.last_step = StepRecord(
             self._steps, self._start_time, max(0.0, seconds - start.wall - inside.wall), samples, sections,
             max(0.0, self._busy_mark - self._busy_start - inside.busy), rss_bytes(), self._data_busy,
-            max(0.0, waited - start.collective - inside.collective), start.wall + inside.wall,
-            self._wait_mark - self._wait_start, self._data_run_wait)
+            max(0.0, waited - start.collective - inside.collective), start.wall + inside.wall)
         self._window.add(seconds, sections, samples)
         if self._measured is not None:
             self._measured.add(seconds, sections, samples)

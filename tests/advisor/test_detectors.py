@@ -55,7 +55,7 @@ def test_communication_bound_job_reported_once_not_blamed_on_a_rank():
     detector = StragglerDetector(patience=2)
     # every rank spends >= 32 ms of its 50 ms step in collectives
     busy = [RankWindow(r, 0, 1, 10, 0.050, 0.001, 0.010 + 0.002 * r, collective_s=0.038 - 0.002 * r,
-                       own_work_s=0.012 + 0.002 * r, cpu_s=0.010 + 0.002 * r) for r in range(4)]
+                       own_wall_s=0.012 + 0.002 * r) for r in range(4)]
     assert detector.update(busy) == [] and detector.communication_bound(busy) is None
     assert detector.communication_bound(busy) == pytest.approx(0.032)
     assert detector.communication_bound(busy) is None  # reported once
@@ -132,7 +132,7 @@ def recorded(steps: int, seed: int = 0, idle_rank: int | None = None, idle_from:
                     data_busy += 1.0
                 else:
                     coll += 1.0
-            out[r].append(StepSample(step, wall, d, busy, 4e8, data_busy, coll, wait_cpu[r]))
+            out[r].append(StepSample(step, wall, d, busy, 4e8, data_busy, coll))
     return out
 
 
