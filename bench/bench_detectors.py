@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -104,6 +105,7 @@ def main() -> None:
         if not left["clean"] and not left[slow]:
             slow = "cpu" if left["cpu"] else "idle"
     base = Path(tempfile.mkdtemp(prefix="bench_detectors_"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the busy loops when stopped
     busy = hogs(args.hogs)
     rows = []
     try:

@@ -219,6 +219,8 @@ class ResourceAdvisor(Callback):
         self.actor.applier.check(step, record.samples)
         if self.window.measure(trainer, step, record.seconds, data, float(record.rss_bytes), self.actor.current):
             self._recommend(trainer, step)
+        if self.window.schedule or (self.recommended_at is not None and self.recommended_at.step == step):
+            self.watch.quiet_until = step + self.config.settle_steps  # probing or just changed: no straggler verdict
         if step % self.config.check_every_n_steps == 0:
             self.watch.check(trainer.global_rank, trainer.num_devices, trainer.world_size, step)
 

@@ -116,6 +116,9 @@ class RuntimeWatch:
         self.global_counts = None
         self._steps: list[StepSample] = []
         self._hot_reported: set[int] = set()
+        #: Straggler checks skip windows starting at or before this step: the advisor's probes and changes (a data
+        #: loader restarting with other workers, a thread pool resizing) slow ranks unevenly for a few steps.
+        self.quiet_until = 0
 
     def add_step(self, sample: StepSample) -> None:
         self._steps.append(sample)
@@ -130,7 +133,7 @@ class RuntimeWatch:
         if rank != 0:
             return
         windows = [w for w, _ in gathered if w is not None]
-        if len(windows) == len(gathered):
+        if len(windows) == len(gathered) and windows[0].first_step > self.quiet_until:
             for s in self.stragglers.update(windows):
                 self.report(s.message(), "straggler", step, dict(straggler_rank=s.rank, cause=s.cause, ratio=s.ratio,
                                                                   excess_ms=s.excess_ms, since_step=s.since_step))
