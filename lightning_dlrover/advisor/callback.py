@@ -80,7 +80,7 @@ class ResourceAdvisor(Callback):
                  objective: Literal["throughput", "cost"] = "throughput", target_samples_per_sec: float | None = None,
                  search: SearchSpace | dict | None = None, history: str | None = "user", warm_start: bool = True,
                  min_similarity: float = 0.3, check_every_n_steps: int = 10, straggler_threshold: float = 1.5,
-                 straggler_patience: int = 1, memory_limit_bytes: int | None = None,
+                 straggler_patience: int = 2, memory_limit_bytes: int | None = None,
                  oom_horizon_steps: int | None = None, hot_rank_factor: float = 1.5, cost_per_node_hour: float = 1.0,
                  cost_per_core_hour: float = 0.0, extrapolate: bool = False, report_dir: str | None = None,
                  restart: RestartMode = "print") -> None:

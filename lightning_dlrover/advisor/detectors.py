@@ -145,7 +145,7 @@ class StragglerDetector:
         ValueError: ``threshold <= 1``, ``patience < 1``, ``min_excess_s < 0`` or ``min_share`` outside [0, 1).
     """
 
-    def __init__(self, threshold: float = 1.5, patience: int = 1, min_excess_s: float = 0.002,
+    def __init__(self, threshold: float = 1.5, patience: int = 2, min_excess_s: float = 0.002,
                  comm_share: float = 0.5, min_share: float = 0.3) -> None:
         if threshold <= 1:
             raise ValueError(f"straggler threshold={threshold} must be above 1 (a ratio to the median rank).")

@@ -35,7 +35,7 @@ def test_slowed_rank_is_named_with_its_cause_within_bounded_steps(tmp_path, how,
     first = named[0]
     assert (first["straggler_rank"], first["cause"]) == (1, cause), named
     assert first["excess_ms"] > 0.6 * ms and first["ratio"] > 1.5
-    assert 15 <= first.step <= 15 + 10  # windows of 5 steps (medians), named in the first slow one
+    assert 15 < first.step <= 15 + 3 * 5  # patience 2 windows of 5 steps (medians), plus one on a loaded machine
     assert all(e["straggler_rank"] == 1 for e in named)  # rank 0, which waits, is not blamed
     assert not [e for e in events if e.kind == "straggler" and e["cause"] == "communication"], named
     assert f"rank 1 is a straggler ({cause})" in out

@@ -293,6 +293,7 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=30)
     p.add_argument("--probe-steps", type=int, default=6)
     p.add_argument("--check-every", type=int, default=10)
+    p.add_argument("--straggler-patience", type=int, default=None)
     p.add_argument("--search", default="", help="JSON SearchSpace fields")
     p.add_argument("--slow-rank", type=int, default=None)
     p.add_argument("--slow-from", type=int, default=20)
@@ -343,9 +344,10 @@ def main() -> None:
         callbacks.append(SlowRank(args.slow_rank, args.slow_from, args.slow_ms, args.slow_sleep, args.slow_idle))
     advisor = None
     if args.advisor:
+        patience = {"straggler_patience": args.straggler_patience} if args.straggler_patience else {}
         advisor = ResourceAdvisor(
             profile_steps=args.profile_steps, probe_steps=args.probe_steps, apply=args.apply, history=args.history,
-            check_every_n_steps=args.check_every, search=json.loads(args.search) if args.search else None,
+            check_every_n_steps=args.check_every, **patience, search=json.loads(args.search) if args.search else None,
             restart=args.restart, objective=args.objective, target_samples_per_sec=args.target,
             cost_per_node_hour=args.cost_per_node, cost_per_core_hour=args.cost_per_core, extrapolate=args.extrapolate)
         callbacks.append(advisor)
