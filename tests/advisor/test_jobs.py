@@ -21,10 +21,11 @@ def job(root: Path, *args: str) -> tuple[str, list]:
     return proc.stdout, read_events([root / "dlrover_events.jsonl"])
 
 
-@pytest.mark.parametrize("how, ms, cause", [("burn", 40, "compute"), ("sleep", 40, "data wait"), ("idle", 200, "idle")])
+@pytest.mark.parametrize("how, ms, cause", [("burn", 40, "compute"), ("sleep", 100, "data wait"), ("idle", 200, "idle")])
 def test_slowed_rank_is_named_with_its_cause_within_bounded_steps(tmp_path, how, ms, cause):
     """burn: CPU work in each step; sleep: its loader sleeps before each batch; idle: it sleeps inside each step
-    (between forward and backward), where only the time the other rank waits in collectives tells them apart."""
+    (between forward and backward), where only the time the other rank waits in collectives tells them apart. A
+    slow-down under 30% of the step is not named (40 ms of loader sleep is less than that on a loaded machine)."""
     flag = {"burn": [], "sleep": ["--slow-sleep"], "idle": ["--slow-idle"]}[how]
     slow = ["--slow-rank", "1", "--slow-from", "15", "--slow-ms", str(ms), *flag]
     out, events = job(tmp_path / "run", "--devices", "2", "--advisor", "--profile-steps", "0", "--check-every", "5",
