@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_dlrover.advisor.act import Actor
 from lightning_dlrover.advisor.config import AdvisorConfig
-from lightning_dlrover.advisor.detectors import OOMForecaster, StragglerDetector
+from lightning_dlrover.advisor.detectors import OOMForecaster, StepSample, StragglerDetector
 from lightning_dlrover.advisor.model import Observation, PerformanceModel
 from lightning_dlrover.advisor.recommend import Recommendation
 from lightning_dlrover.advisor.recorder import JobRecorder
@@ -40,7 +40,7 @@ from lightning_dlrover.advisor.restart import RestartDecision, RestartMode
 from lightning_dlrover.advisor.runtime import RuntimeWatch, broadcast
 from lightning_dlrover.advisor.window import ProfilingWindow, RecommendedAt
 from lightning_dlrover.log import get_logger, rank_zero_report
-from lightning_dlrover.monitor import ThroughputMonitor, emit
+from lightning_dlrover.monitor import ThroughputMonitor, collectives, emit
 from lightning_dlrover.monitor.guard import guarded, is_addon_error, report_degraded
 
 if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
@@ -181,6 +181,12 @@ class ResourceAdvisor(Callback):
         self._features = table_features(pl_module)
         self.oom = OOMForecaster(self.config.memory_limit_bytes or self.machine.memory_bytes, horizon_steps=10**9)
         self._started = False
+        collectives.install()  # every rank's time waiting in collectives, for the straggler detector
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            collectives.uninstall()
 
     @override
     @guarded
@@ -216,6 +222,7 @@ class ResourceAdvisor(Callback):
     # ------------------------------------------------------------------------------------------------ steps
     @override
     @guarded
+    @collectives.add_on_hook  # the advisor's own work is left out of the steps it measures
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._started:
             self._start(trainer, batch)
@@ -224,6 +231,7 @@ class ResourceAdvisor(Callback):
 
     @override
     @guarded
+    @collectives.add_on_hook
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         record = self.monitor.last_step
@@ -232,11 +240,14 @@ class ResourceAdvisor(Callback):
         self._seen = record.index
         step = trainer.global_step
         data = record.sections.get("data_wait", 0.0)
-        self.watch.add_step(step, record.seconds, data, record.busy_seconds, float(record.rss_bytes),
-                            record.data_busy_seconds)
+        timed = collectives.installed()
+        self.watch.add_step(StepSample(step, record.seconds, data, record.busy_seconds, float(record.rss_bytes),
+                                       record.data_busy_seconds, record.collective_seconds if timed else None))
         self.actor.applier.check(step, record.samples)
         if self.window.measure(trainer, step, record.seconds, data, float(record.rss_bytes), self.actor.current):
             self._recommend(trainer, step)
+        if self.window.schedule or (self.recommended_at is not None and self.recommended_at.step == step):
+            self.watch.quiet_until = step + self.config.settle_steps  # probing or just changed: no straggler verdict
         if step % self.config.check_every_n_steps == 0:
             self.watch.check(trainer.global_rank, trainer.num_devices, trainer.world_size, step)
 

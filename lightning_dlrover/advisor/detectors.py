@@ -1,34 +1,52 @@
 """Stage 3: what goes wrong while a job runs. Stragglers (with the cause), out-of-memory forecasts, hot ranks.
 
 Every detector works on per-rank windows of measured steps (:class:`RankWindow`) that the advisor gathers from
-all ranks every few steps, and keeps its own state across windows.
+all ranks every few steps, and keeps its own state across windows. A window holds each quantity's median over its
+steps: a one-off stretched step (another program's burst, a re-plan) does not move it.
 
 A rank's step time in synchronous training is the same on every rank (collectives wait for the slowest), so
-stragglers are told apart by what each rank did with the step: its **own** time is the data wait plus the time
-its main thread was running or runnable (``busy``); the rest of the step it was **blocked** (in collectives,
-waiting for peers or the network). The straggler is the rank whose own time is far above the others'; its cause
-is the larger excess (data wait or compute). A rank's blocked time is no evidence against it (every rank but the
-slowest waits for the slowest), but the slowest rank's blocked time is the collectives' own duration: when even
-the least-blocked rank spends ``comm_share`` of the step blocked, the cause is **communication** (a slow link
-slows every rank of a collective alike, so it is reported for the job, not for one rank). A rank that sleeps
-inside a step (not between steps) is indistinguishable from one waiting for a peer without tracing collectives,
-and is not named.
+stragglers are told apart by what each rank did with the step. Every rank times its collectives (from the call to
+the completion, :mod:`~lightning_dlrover.monitor.collectives`): the rest of its step is its **own** time (data
+wait, compute, and idling of its own: a sleep, I/O, a lock). The ranks that wait for a slow rank spend its
+lateness in collectives; the slow rank does not. The straggler is the rank whose own time is far above the
+others'; its cause is the largest excess: **data wait**, **compute** (its main thread running or runnable) or
+**idle** (blocked outside collectives). When even the least-waiting rank spends ``comm_share`` of the step in
+collectives, the job is **communication**-bound (reported for the job, not for one rank; the advice depends on
+whether the ranks share one machine). Without collective timings (``collective_s`` of ``None``) own time is the
+main thread's busy time and the data wait: a rank idling inside its step then looks like one waiting for a peer, and
+no communication verdict is given. The advisor's own work is left out of the steps it measures.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-STRAGGLER_CAUSES = ("data wait", "compute")
+STRAGGLER_CAUSES = ("data wait", "compute", "idle")
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured step of one rank: the fields of its
+    :class:`~lightning_dlrover.monitor.steps.StepRecord` (``step_s``: ``seconds``, ``data_s``: its ``data_wait``,
+    ``busy_s``, ``data_busy_s``, ``rss``), at global step ``step``;
+    ``collective_s`` is ``None`` when collectives are not timed."""
+
+    step: int
+    step_s: float
+    data_s: float
+    busy_s: float
+    rss: float = 0.0
+    data_busy_s: float = 0.0
+    collective_s: float | None = None
 
 
 @dataclass(frozen=True)
 class RankWindow:
-    """One rank's means per step over a window of steps.
+    """One rank's medians per step over a window of steps.
 
     Attributes:
         rank: global rank.
@@ -37,8 +55,16 @@ class RankWindow:
         step_s: wall seconds per step.
         data_s: data wait per step (wall).
         busy_s: main-thread running/runnable seconds per step outside the data wait (its own compute).
+        rss: ``(global step, bytes)`` resident memory of the rank's process at each step (its data workers and other
+            child processes are in ``children``).
         data_busy_s: main-thread running/runnable seconds per step inside the data wait (making batches, callbacks).
-        rss: ``(global step, bytes)`` resident memory of the rank (plus its data workers) at each step.
+        collective_s: seconds per step with a collective in flight (``None``: not timed).
+        own_wall_s: seconds per step outside collectives (median over steps of ``step - collective``): its data
+            wait, compute (waits for a CPU included: a rank that needs more CPU than others waits longer for it) and
+            idling.
+        idle_s: seconds per step blocked outside collectives and the data wait (sleep, I/O, locks).
+        pid: the rank's process id (0: unknown).
+        children: ``(pid, bytes)`` resident memory of each descendant process at the window's end.
     """
 
     rank: int
@@ -50,15 +76,38 @@ class RankWindow:
     busy_s: float
     rss: tuple[tuple[int, float], ...] = ()
     data_busy_s: float = 0.0
+    collective_s: float | None = None
+    own_wall_s: float = 0.0
+    idle_s: float = 0.0
+    pid: int = 0
+    children: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_steps(cls, rank: int, node: int, steps: Sequence[StepSample], pid: int = 0,
+                   children: Iterable[tuple[int, float]] = ()) -> RankWindow:
+        """The window of ``steps`` (at least one): medians per step."""
+        if not steps:
+            raise ValueError(f"RankWindow.from_steps(rank={rank}): no steps; give at least one measured step.")
+        med = statistics.median
+        timed = all(s.collective_s is not None for s in steps)
+        coll = [s.collective_s or 0.0 for s in steps]
+        return cls(rank, node, steps[0].step, steps[-1].step, step_s=med(s.step_s for s in steps),
+                   data_s=med(s.data_s for s in steps), busy_s=med(s.busy_s for s in steps),
+                   rss=tuple((s.step, s.rss) for s in steps), data_busy_s=med(s.data_busy_s for s in steps),
+                   collective_s=med(coll) if timed else None,
+                   own_wall_s=med(max(0.0, s.step_s - c) for s, c in zip(steps, coll)),
+                   idle_s=med(max(0.0, s.step_s - s.data_s - s.busy_s - c) for s, c in zip(steps, coll)), pid=pid,
+                   children=tuple(children))
 
     @property
     def own_s(self) -> float:
-        """Seconds per step this rank's main thread worked (in the data wait and in the step)."""
-        return self.data_busy_s + self.busy_s
+        """Seconds per step this rank spent on its own (not waiting for peers): outside collectives when they are
+        timed, else the main thread's work in the data wait and in the step."""
+        return self.own_wall_s if self.collective_s is not None else self.data_busy_s + self.busy_s
 
     @property
     def blocked_s(self) -> float:
-        """Seconds per step blocked inside the step (collectives: waiting for peers or transfers)."""
+        """Seconds per step blocked inside the step (in collectives and idling)."""
         return max(0.0, self.step_s - self.data_s - self.busy_s)
 
 
@@ -88,24 +137,28 @@ class Straggler:
 
 
 class StragglerDetector:
-    """Names a rank whose own time per step is at least ``threshold`` x the median rank's (and at least
-    ``min_excess_s`` more) in ``patience`` consecutive windows, so within ``patience`` windows of it turning slow.
+    """Names a rank whose own time per step is at least ``threshold`` x the median rank's, at least
+    ``min_excess_s`` and ``min_share`` of the step more, in ``patience`` consecutive windows (so within
+    ``patience`` windows of it turning slow, and never on one stretched step: windows hold medians).
 
     Raises:
-        ValueError: ``threshold <= 1``, ``patience < 1`` or ``min_excess_s < 0``.
+        ValueError: ``threshold <= 1``, ``patience < 1``, ``min_excess_s < 0`` or ``min_share`` outside [0, 1).
     """
 
     def __init__(self, threshold: float = 1.5, patience: int = 2, min_excess_s: float = 0.002,
-                 comm_share: float = 0.5) -> None:
+                 comm_share: float = 0.5, min_share: float = 0.3) -> None:
         if threshold <= 1:
             raise ValueError(f"straggler threshold={threshold} must be above 1 (a ratio to the median rank).")
         if patience < 1:
             raise ValueError(f"straggler patience={patience} must be at least 1 window.")
         if min_excess_s < 0:
             raise ValueError(f"straggler min_excess_s={min_excess_s} must be >= 0.")
+        if not 0 <= min_share < 1:
+            raise ValueError(f"straggler min_share={min_share} must be in [0, 1) (a share of the step).")
         self.threshold, self.patience, self.min_excess_s, self.comm_share = threshold, patience, min_excess_s, comm_share
+        self.min_share = min_share
         self._comm_streak = 0
-        #: Blocked seconds per step of the least-blocked rank when the job was found communication-bound.
+        #: Collective seconds per step of the least-waiting rank when the job was found communication-bound.
         self.communication_s: float | None = None
         self._streak: dict[int, tuple[int, int, str]] = {}  # rank -> (windows, since_step, cause)
         self.named: dict[int, Straggler] = {}
@@ -117,7 +170,8 @@ class StragglerDetector:
         found = []
         # The reference is the median of all ranks (of the other rank with two: the median of two is their mean).
         ref = {w.rank: [o for o in windows if o.rank != w.rank] if len(windows) == 2 else list(windows) for w in windows}
-        verdicts = {w.rank: self._judge_own(w, ref[w.rank]) for w in windows}
+        timed = all(w.collective_s is not None for w in windows)
+        verdicts = {w.rank: self._judge(w, ref[w.rank], timed) for w in windows}
         for w in windows:
             verdict = verdicts[w.rank]
             if verdict is None:
@@ -133,31 +187,56 @@ class StragglerDetector:
                 found.append(s)
         return found
 
-    def _judge_own(self, w: RankWindow, others: list[RankWindow]) -> tuple[str, float, float] | None:
-        own = statistics.median(o.own_s for o in others)
-        if w.own_s >= self.threshold * own and w.own_s - own >= self.min_excess_s:
-            data = w.data_busy_s - statistics.median(o.data_busy_s for o in others)
-            busy = w.busy_s - statistics.median(o.busy_s for o in others)
+    def _slow(self, value: float, ref: float, step_s: float) -> bool:
+        return value >= self.threshold * ref and value - ref >= max(self.min_excess_s, self.min_share * step_s)
+
+    def _judge(self, w: RankWindow, others: list[RankWindow], timed: bool) -> tuple[str, float, float] | None:
+        med = statistics.median
+        step_s = med(o.step_s for o in [w, *others])
+        if timed:
+            own = med(o.own_wall_s for o in others)
+            if not self._slow(w.own_wall_s, own, step_s):
+                return None
+            excess = {"data wait": w.data_s - med(o.data_s for o in others),
+                      "compute": w.busy_s - med(o.busy_s for o in others),
+                      "idle": w.idle_s - med(o.idle_s for o in others)}
+            return max(excess, key=excess.__getitem__), w.own_wall_s / max(own, 1e-9), w.own_wall_s - own
+        own = med(o.own_s for o in others)
+        if self._slow(w.own_s, own, step_s):
+            data = w.data_busy_s - med(o.data_busy_s for o in others)
+            busy = w.busy_s - med(o.busy_s for o in others)
             return ("data wait" if data >= busy else "compute"), w.own_s / max(own, 1e-9), w.own_s - own
-        data = statistics.median(o.data_s for o in others)  # waiting for storage or data workers: not busy
-        if w.data_s >= self.threshold * data and w.data_s - data >= self.min_excess_s:
+        data = med(o.data_s for o in others)  # waiting for storage or data workers: not busy
+        if self._slow(w.data_s, data, step_s):
             return "data wait", w.data_s / max(data, 1e-9), w.data_s - data
         return None
 
     def communication_bound(self, windows: Sequence[RankWindow]) -> float | None:
-        """Blocked seconds per step of the least-blocked rank once it exceeded ``comm_share`` of the step in
-        ``patience`` consecutive windows (reported once), else ``None``."""
-        if len(windows) < 2:
+        """Collective seconds per step of the least-waiting rank once it exceeded ``comm_share`` of the step in
+        ``patience`` consecutive windows (reported once), else ``None`` (also when collectives are not timed)."""
+        if len(windows) < 2 or any(w.collective_s is None for w in windows):
             return None
-        least = min(windows, key=lambda w: w.blocked_s)
-        if least.blocked_s < self.comm_share * least.step_s or least.blocked_s < self.min_excess_s:
+        least = min(windows, key=lambda w: w.collective_s or 0.0)
+        waited = least.collective_s or 0.0
+        if waited < self.comm_share * least.step_s or waited < self.min_excess_s:
             self._comm_streak = 0
             return None
         self._comm_streak += 1
         if self._comm_streak == self.patience:
-            self.communication_s = least.blocked_s
-            return least.blocked_s
+            self.communication_s = waited
+            return waited
         return None
+
+
+def communication_message(waited_s: float, step_s: float, nodes: int) -> str:
+    """The finding of a communication-bound job whose least-waiting rank spends ``waited_s`` of each ``step_s``
+    in collectives, on ``nodes`` machines (one machine: no network advice)."""
+    head = (f"communication-bound: even the least-waiting rank spends {1000 * waited_s:.1f} ms of each "
+            f"{1000 * step_s:.1f} ms step in collectives (no single rank is to blame); ")
+    if nodes <= 1:
+        return head + ("all ranks share one machine, so the network is not the cause: fewer ranks with more threads "
+                       "each, or a larger batch per rank (fewer collectives per sample)")
+    return head + "fewer ranks or nodes, a larger batch per rank, or a faster interconnect between the machines"
 
 
 @dataclass(frozen=True)
@@ -210,11 +289,17 @@ class OOMForecaster:
         self.forecasts: list[OOMForecast] = []
 
     def update(self, windows: Sequence[RankWindow], step_s: float) -> list[OOMForecast]:
-        """Adds every rank's memory samples (summed per node and step); returns new warnings."""
-        for w in windows:
-            series = self._series.setdefault(w.node, {})
-            for step, value in w.rss:
-                series[step] = series.get(step, 0.0) + value
+        """Adds every node's memory at each step (its ranks' processes, plus every other process descending from
+        one of them, each counted once); returns new warnings."""
+        for node in sorted({w.node for w in windows}):
+            here = [w for w in windows if w.node == node]
+            series = self._series.setdefault(node, {})
+            extra = node_children_bytes(here)
+            for step in {s for w in here for s, _ in w.rss}:
+                series[step] = series.get(step, 0.0) + extra
+            for w in here:
+                for step, value in w.rss:
+                    series[step] = series.get(step, 0.0) + value
         found = []
         for node, series in self._series.items():
             steps = sorted(series)[-self.window:]
@@ -236,6 +321,21 @@ class OOMForecaster:
                 self.forecasts.append(forecast)
                 found.append(forecast)
         return found
+
+    def node_bytes(self, node: int) -> float:
+        """The node's memory at the latest step seen (0 before any)."""
+        series = self._series.get(node, {})
+        return series[max(series)] if series else 0.0
+
+
+def node_children_bytes(windows: Iterable[RankWindow]) -> float:
+    """Resident bytes of the processes descending from the ranks of ``windows`` (one node) that are not ranks
+    themselves, each counted once: under a launcher that starts ranks as children of rank 0 (Lightning's), rank 0's
+    descendants include the other ranks and their data workers."""
+    windows = list(windows)
+    ranks = {w.pid for w in windows if w.pid}
+    unique = {pid: value for w in windows for pid, value in w.children if pid not in ranks}
+    return float(sum(unique.values()))
 
 
 def _steepest_fit(x: np.ndarray, y: np.ndarray, min_r2: float) -> tuple[float, float] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -13,7 +13,14 @@ import psutil
 import torch.distributed as dist
 
 from lightning_dlrover import control_plane
-from lightning_dlrover.advisor.detectors import OOMForecaster, RankWindow, StragglerDetector, hot_ranks
+from lightning_dlrover.advisor.detectors import (
+    OOMForecaster,
+    RankWindow,
+    StepSample,
+    StragglerDetector,
+    communication_message,
+    hot_ranks,
+)
 from lightning_dlrover.advisor.replan import LookupCounter, ReplanAdvice, rank_loads, replan
 from lightning_dlrover.advisor.signature import TableSpec
 
@@ -39,15 +46,26 @@ def broadcast(world_size: int, value: Any) -> Any:
     return box[0]
 
 
-def children_rss() -> float:
-    """Resident memory of this process's children (data workers)."""
-    total = 0.0
+def children_memory() -> tuple[tuple[int, float], ...]:
+    """``(pid, resident bytes)`` of every process descending from this one (data workers; under Lightning's launcher
+    rank 0's descendants are also the other ranks of its node and theirs: sum them with
+    :func:`~lightning_dlrover.advisor.detectors.node_children_bytes`, which counts each process once)."""
+    out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            total += child.memory_info().rss
+            out.append((child.pid, float(child.memory_info().rss)))
         except psutil.Error:
             pass
-    return total
+    return tuple(out)
+
+
+def node_total_bytes(processes: Iterable[tuple[int, float, Iterable[tuple[int, float]]]]) -> float:
+    """Memory of one node's ranks, each process counted once, from every rank's ``(pid, resident bytes,
+    children_memory())``."""
+    processes = list(processes)
+    unique = {pid: value for _, _, children in processes for pid, value in children}
+    unique.update({pid: value for pid, value, _ in processes})
+    return float(sum(unique.values()))
 
 
 def cpu_snapshot(machine_wide: bool) -> tuple[float, float, float]:
@@ -96,34 +114,33 @@ class RuntimeWatch:
         rows = {t.name: (t.rows, list(features.get(t.name, [t.name]))) for t in tables}
         self.lookups = LookupCounter(rows) if rows else None
         self.global_counts = None
-        self._steps: list[tuple[int, float, float, float, float, float]] = []  # step, s, data, busy, rss, data busy
+        self._steps: list[StepSample] = []
         self._hot_reported: set[int] = set()
+        #: Straggler checks skip windows starting at or before this step: the advisor's probes and changes (a data
+        #: loader restarting with other workers, a thread pool resizing) slow ranks unevenly for a few steps.
+        self.quiet_until = 0
 
-    def add_step(self, step: int, seconds: float, data: float, busy: float, rss: float, data_busy: float) -> None:
-        self._steps.append((step, seconds, data, busy, rss, data_busy))
+    def add_step(self, sample: StepSample) -> None:
+        self._steps.append(sample)
 
     def check(self, rank: int, ranks_per_node: int, world_size: int, step: int) -> None:
         """Gathers every rank's window since the last check (collective) and runs the detectors on rank 0."""
         steps, self._steps = self._steps, []
-        extra = children_rss()
-        n = max(len(steps), 1)
-        local = RankWindow(rank, rank // ranks_per_node, steps[0][0] if steps else step, step,
-                           sum(s[1] for s in steps) / n, sum(s[2] for s in steps) / n, sum(s[3] for s in steps) / n,
-                           tuple((s[0], s[4] + extra) for s in steps), sum(s[5] for s in steps) / n) if steps else None
+        local = RankWindow.from_steps(rank, rank // ranks_per_node, steps, os.getpid(),
+                                      children_memory()) if steps else None
         counts = self.lookups.counts.clone() if self.lookups is not None else None
         gathered = gather(world_size, (local, counts))
         if rank != 0:
             return
         windows = [w for w, _ in gathered if w is not None]
-        if len(windows) == len(gathered):
+        if len(windows) == len(gathered) and windows[0].first_step > self.quiet_until:
             for s in self.stragglers.update(windows):
                 self.report(s.message(), "straggler", step, dict(straggler_rank=s.rank, cause=s.cause, ratio=s.ratio,
                                                                   excess_ms=s.excess_ms, since_step=s.since_step))
             if (comm := self.stragglers.communication_bound(windows)) is not None:
                 step_s = max(w.step_s for w in windows)
-                self.report(f"communication-bound: even the slowest rank is blocked in collectives {1000 * comm:.1f} ms "
-                            f"of each {1000 * step_s:.1f} ms step (no single rank is to blame; fewer ranks or nodes, or "
-                            "a faster interconnect)", "straggler", step,
+                nodes = len({w.node for w in windows})
+                self.report(communication_message(comm, step_s, nodes), "straggler", step,
                             dict(straggler_rank=-1, cause="communication", ratio=comm / step_s, excess_ms=1000 * comm,
                                  since_step=windows[0].first_step))
         if windows:

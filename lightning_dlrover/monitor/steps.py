@@ -30,6 +30,11 @@ class StepRecord:
         data_busy_seconds: like ``busy_seconds``, over the data wait (the loader's work in this process, callbacks
             between steps), as opposed to waiting there (for worker processes, storage, or peers: Lightning
             synchronises ranks once between two steps).
+        collective_seconds: wall seconds of the step (data wait included) with a collective of this process in
+            flight (:mod:`~lightning_dlrover.monitor.collectives`; 0 unless they are timed): waiting for peers and
+            transfers. The rank the others wait for has the least.
+        add_on_seconds: wall seconds of add-on work (the resource advisor's) taken out of this step's ``seconds``,
+            ``data_wait``, busy and collective seconds.
     """
 
     index: int
@@ -40,6 +45,8 @@ class StepRecord:
     busy_seconds: float = 0.0
     rss_bytes: int = 0
     data_busy_seconds: float = 0.0
+    collective_seconds: float = 0.0
+    add_on_seconds: float = 0.0
 
 
 def thread_busy_seconds() -> float:

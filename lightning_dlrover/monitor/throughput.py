@@ -5,7 +5,9 @@ own hooks and splits it into sections:
 
 - ``data_wait``: previous ``on_train_batch_end`` to ``on_train_batch_start``: fetching the batch from
   the loader and moving it to the device (plus anything else that runs between steps, such as
-  checkpoint saving; validation runs are excluded).
+  checkpoint saving; validation runs are excluded). An add-on's own work marked with
+  :func:`~lightning_dlrover.monitor.collectives.add_on_work` (the resource advisor's) is left out of the step
+  it runs in (:attr:`StepRecord.add_on_seconds <lightning_dlrover.monitor.steps.StepRecord>`).
 - ``forward``: ``on_train_batch_start`` to ``on_before_backward``.
 - ``backward``: ``on_before_backward`` to ``on_after_backward``. With TorchRec's fused in-backward
   optimizers this includes the embedding update and its all-to-all.
@@ -36,6 +38,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_dlrover.log import get_logger, rank_zero_report
+from lightning_dlrover.monitor.collectives import collective_seconds, installed, pop_add_on_work
 from lightning_dlrover.monitor.guard import failure, guarded
 from lightning_dlrover.monitor.steps import StepRecord, rss_bytes, thread_busy_seconds
 from lightning_dlrover.monitor.summary import _MB, RankThroughput, ThroughputSummary, _memory_bytes, _Totals
@@ -148,11 +151,13 @@ class ThroughputMonitor(Callback):
         self._step_start = self._mark
         timer = self._step_timer(trainer)
         self._between = timer.pop_step() if timer is not None else {}  # e.g. the commit of the previous step
-        self._sections = {"data_wait": max(0.0, now - self._mark - sum(self._between.values()))}
+        add_on = pop_add_on_work()  # an add-on's work since the last step ended (e.g. the advisor's fit)
+        self._add_on = add_on
+        self._sections = {"data_wait": max(0.0, now - self._mark - sum(self._between.values()) - add_on.wall)}
         self._after_backward = False
         self._mark = now
         self._start_time, self._busy_start = time.time(), thread_busy_seconds()
-        self._data_busy = self._busy_start - self._busy_mark
+        self._data_busy = max(0.0, self._busy_start - self._busy_mark - add_on.busy)
 
     @guarded
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -191,8 +196,12 @@ class ThroughputMonitor(Callback):
         samples = self._batch_size(batch)
         self._steps += 1
         self._busy_mark = thread_busy_seconds()
-        self.last_step = StepRecord(self._steps, self._start_time, seconds, samples, sections,
-                                    self._busy_mark - self._busy_start, rss_bytes(), self._data_busy)
+        start, inside = self._add_on, pop_add_on_work()  # add-on work before and inside the step
+        waited = collective_seconds(self._step_start, now) if installed() else 0.0
+        self.last_step = StepRecord(
+            self._steps, self._start_time, max(0.0, seconds - start.wall - inside.wall), samples, sections,
+            max(0.0, self._busy_mark - self._busy_start - inside.busy), rss_bytes(), self._data_busy,
+            max(0.0, waited - start.collective - inside.collective), start.wall + inside.wall)
         self._window.add(seconds, sections, samples)
         if self._measured is not None:
             self._measured.add(seconds, sections, samples)

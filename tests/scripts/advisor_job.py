@@ -201,11 +201,12 @@ class SampleBudget(pl.Callback):
 
 
 class SlowRank(pl.Callback):
-    """From step ``start`` on, rank ``rank`` burns ``ms`` of CPU in every forward (a slower machine) or, with
-    ``sleep``, its loader sleeps that long before each batch (slow storage)."""
+    """From step ``start`` on, rank ``rank`` burns ``ms`` of CPU in every forward (a slower machine), with ``sleep``
+    its loader sleeps that long before each batch (slow storage), or with ``idle`` it sleeps that long inside the
+    step, between its forward and its backward (I/O or a lock inside the step)."""
 
-    def __init__(self, rank: int, start: int, ms: float, sleep: bool) -> None:
-        self.rank, self.start, self.seconds, self.sleep = rank, start, ms / 1000, sleep
+    def __init__(self, rank: int, start: int, ms: float, sleep: bool, idle: bool = False) -> None:
+        self.rank, self.start, self.seconds, self.sleep, self.idle = rank, start, ms / 1000, sleep, idle
 
     def _slow(self, trainer) -> bool:
         return trainer.global_rank == self.rank and trainer.global_step >= self.start
@@ -214,11 +215,15 @@ class SlowRank(pl.Callback):
         if self._slow(trainer) and not getattr(self, "announced", False):
             self.announced = True
             print(f"SLOW_START step={trainer.global_step} time={time.time()}", flush=True)
-        if self._slow(trainer) and not self.sleep:
+        if self._slow(trainer) and not self.sleep and not self.idle:
             end = time.thread_time() + self.seconds
             a = torch.randn(64, 64)
             while time.thread_time() < end:
                 a = (a @ a).tanh_()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._slow(trainer) and self.idle:
+            time.sleep(self.seconds)
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.sleep:
@@ -240,12 +245,15 @@ class Leak(pl.Callback):
             self.kept.append(torch.ones(self.bytes // 4, dtype=torch.float32))
         if self.headroom is None:
             return
-        from lightning_dlrover.advisor.runtime import children_rss
+        from lightning_dlrover.advisor.runtime import children_memory, node_total_bytes
         from lightning_dlrover.monitor.steps import rss_bytes
 
-        total = torch.tensor([float(rss_bytes() + children_rss())], dtype=torch.float64)
-        if trainer.world_size > 1:
-            dist.all_reduce(total)
+        mine = (os.getpid(), float(rss_bytes()), children_memory())
+        trees = [mine]
+        if trainer.world_size > 1:  # rank 1 is a child of rank 0 under Lightning's launcher: count each process once
+            trees = [None] * trainer.world_size
+            dist.all_gather_object(trees, mine)
+        total = torch.tensor([node_total_bytes(trees)], dtype=torch.float64)
         if self.limit is None and trainer.global_step >= self.start:
             self.limit = total.item() + self.headroom
             if trainer.is_global_zero:
@@ -285,11 +293,13 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=30)
     p.add_argument("--probe-steps", type=int, default=6)
     p.add_argument("--check-every", type=int, default=10)
+    p.add_argument("--straggler-patience", type=int, default=None)
     p.add_argument("--search", default="", help="JSON SearchSpace fields")
     p.add_argument("--slow-rank", type=int, default=None)
     p.add_argument("--slow-from", type=int, default=20)
     p.add_argument("--slow-ms", type=float, default=30.0)
     p.add_argument("--slow-sleep", action="store_true")
+    p.add_argument("--slow-idle", action="store_true", help="the slow rank sleeps inside its step")
     p.add_argument("--objective", default="throughput")
     p.add_argument("--target", type=float, default=None, help="samples/s of the cost objective")
     p.add_argument("--cost-per-node", type=float, default=1.0)
@@ -336,12 +346,13 @@ def main() -> None:
     knobs = Knobs()
     callbacks.append(knobs)
     if args.slow_rank is not None:
-        callbacks.append(SlowRank(args.slow_rank, args.slow_from, args.slow_ms, args.slow_sleep))
+        callbacks.append(SlowRank(args.slow_rank, args.slow_from, args.slow_ms, args.slow_sleep, args.slow_idle))
     advisor = None
     if args.advisor:
+        patience = {"straggler_patience": args.straggler_patience} if args.straggler_patience else {}
         advisor = ResourceAdvisor(
             profile_steps=args.profile_steps, probe_steps=args.probe_steps, apply=args.apply, history=args.history,
-            check_every_n_steps=args.check_every, search=json.loads(args.search) if args.search else None,
+            check_every_n_steps=args.check_every, **patience, search=json.loads(args.search) if args.search else None,
             restart=args.restart, objective=args.objective, target_samples_per_sec=args.target,
             cost_per_node_hour=args.cost_per_node, cost_per_core_hour=args.cost_per_core, extrapolate=args.extrapolate)
         callbacks.append(advisor)
