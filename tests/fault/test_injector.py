@@ -16,9 +16,12 @@ from lightning_dlrover import DLRoverStrategy, ParityConfig
 from lightning_dlrover.fault.injector import FAULT_ENV, FaultInjector
 from tests.conftest import REPO, TRAIN_SCRIPT, digests, run
 
-# A short process-group timeout bounds how long the surviving ranks wait for a killed one.
-KILL_JOB = [str(TRAIN_SCRIPT), "--pg-timeout", "20", "--no-step-digests"]
-JOB_TIMEOUT = 120
+# The process-group timeout bounds how long the surviving ranks wait for a killed one (gloo sees a SIGKILLed peer's
+# sockets close at once, so only a silent peer waits it out); under Lightning's launcher it also bounds how long the
+# ranks wait for each other's processes to start, which on a loaded machine took more than 20 s (the client socket
+# "timed out after 20000ms while trying to connect").
+KILL_JOB = [str(TRAIN_SCRIPT), "--pg-timeout", "90", "--no-step-digests"]
+JOB_TIMEOUT = 400
 
 
 def run_job(args: list[str], cwd: Path, fault: str | None) -> subprocess.CompletedProcess:
