@@ -2,6 +2,9 @@
 
 Its options and command line; the supervisor of the workers is
 :class:`~lightning_dlrover.fault.inplace.supervisor.Supervisor` (see its module for how a loss is handled).
+The workers of a launch wait for each other to start their process group for ``$LIGHTNING_DLROVER_START_TIMEOUT``
+seconds (default 600: each imports torch, Lightning and TorchRec first, slow on a loaded machine), not for the
+job's collective timeout; a rank that never starts is named in the error.
 
 Example (two machines, two ranks each, one hot spare each)::
 

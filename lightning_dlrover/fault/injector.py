@@ -22,6 +22,14 @@ inherit the same environment, replay the step instead of dying again; nor does a
 (``TORCHELASTIC_RESTART_COUNT > 0``), which may have had nothing to resume from. ``target=all`` kills every rank that
 reaches the point (the whole job at once, as a power cut would): nobody is left to spill.
 
+Where one fault kills several ranks (``rank=1+2``, ``target=all``, or ``target=node`` on a node with several
+workers), each of them dies at the named step and phase, none earlier, none later: every such rank, on reaching
+the point, marks its arrival in the job's store (the launcher's, ``MASTER_ADDR:MASTER_PORT``) and waits for the
+others' marks before it dies (at most :data:`TOGETHER_TIMEOUT_S` seconds, then it dies anyway and says whom it
+did not see). Without that wait, the first rank to die could break a collective a slower peer was still
+finishing before the point (a checkpoint's last barrier), and that peer would fail, or recover, instead of dying
+at the point: on a loaded machine the drill then killed a different step than the one named.
+
 ``step=S`` is the 0-based index of a training step: the step that runs while ``trainer.global_step == S``,
 whose optimizer update is the ``S + 1``-th and leaves ``trainer.global_step == S + 1``. ``step=0`` is the
 first step of a fresh run; after resuming from a checkpoint at global step ``G``, the next step is ``G``.
@@ -48,6 +56,7 @@ import os
 import signal as signals
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -57,9 +66,12 @@ import torch.distributed as dist
 from lightning_dlrover.fault.points import ENV_FORMAT, FAULT_ENV, PHASES, RECOVERY_PHASES, SIGNALS, TARGETS
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor.events import emit
-from lightning_dlrover.worker_env import restart_count
+from lightning_dlrover.worker_env import local_world_size, restart_count
 
 log = get_logger(__name__)
+
+#: Seconds the ranks one fault kills together wait at its point for each other's arrival before dying anyway.
+TOGETHER_TIMEOUT_S = 60.0
 
 
 class FaultInjector(pl.Callback):
@@ -199,6 +211,7 @@ class FaultInjector(pl.Callback):
         if self.target == "rank" and rank not in self.ranks:
             return
         pid = os.getpid()
+        self._meet_the_others(rank)
         sys.stdout.flush()
         sys.stderr.flush()
         emit("fault_injected", step=step, phase=phase, target=self.target, signal=self.signal,
@@ -219,3 +232,40 @@ class FaultInjector(pl.Callback):
             os.kill(pid, signals.SIGKILL)
         log.warning(f"FaultInjector: killing rank {rank} (pid {pid}) at step {step}, phase {phase} with {self.signal}")
         os.kill(pid, getattr(signals, self.signal))
+
+    def _together(self, rank: int) -> tuple[str, list[str]]:
+        """This rank's name and the names of every rank this fault kills at the same point (itself included)."""
+        if self.target == "node":
+            node = os.environ.get("GROUP_RANK", "0")
+            names = [f"node{node}/{i}" for i in range(local_world_size())]
+            return f"node{node}/{os.environ.get('LOCAL_RANK', '0')}", names
+        ranks = range(dist.get_world_size() if dist.is_initialized() else 1) if self.target == "all" else self.ranks
+        return f"rank{rank}", [f"rank{r}" for r in ranks]
+
+    def _meet_the_others(self, rank: int) -> list[str] | None:
+        """Where this fault kills several ranks: marks this rank's arrival at the point in the job's store and waits
+        for every other one's (see the module docs). Returns the ranks not seen (``[]``: all met; ``None``: a single
+        rank dies, nothing to wait for)."""
+        me, names = self._together(rank)
+        if len(names) < 2:
+            return None
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port:
+            log.warning(f"{self!r}: no MASTER_ADDR/MASTER_PORT, so no store to meet the other ranks in: dying alone")
+            return [name for name in names if name != me]
+        prefix = f"lightning_dlrover/fault/{restart_count()}/{self.step}/{self.phase}/"
+        store = None
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=TOGETHER_TIMEOUT_S))
+            store.set(prefix + me, str(os.getpid()))
+            store.wait([prefix + name for name in names], timedelta(seconds=TOGETHER_TIMEOUT_S))
+        except Exception as err:  # noqa: BLE001 - a store gone (its host died first) or a peer that never came
+            missing = [name for name in names if name != me]
+            with contextlib.suppress(Exception):  # the store itself may be gone
+                missing = [name for name in missing if store is None or not store.check([prefix + name])]
+            if missing:
+                log.warning(f"FaultInjector: {me} did not meet {missing} at step {self.step}, phase {self.phase} "
+                            f"within {TOGETHER_TIMEOUT_S:.0f} s ({type(err).__name__}: {err}): dying without them")
+            return missing
+        return []

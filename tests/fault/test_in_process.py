@@ -46,11 +46,14 @@ def launch(tmp_path, name: str, *launch_args: str, fault: str | None = None, ste
 
 
 def fault_free(workdir, nproc: int = 2, script_args=()) -> str:
-    """The digest of the same job without a fault, under Lightning's own launcher (``lightning-dlrover launch``
-    changes nothing without a fault; its start-up would only cost a process)."""
+    """The digest of the same job without a fault, under ``lightning-dlrover launch`` with no spare (it changes
+    nothing without a fault). Not under Lightning's own launcher: there rank 0 waits for the others' processes only
+    the job's 20 s process-group timeout, and on a loaded machine their imports took longer (the fixture failed
+    with ``DistStoreError: Timed out after 21 seconds waiting for clients``)."""
     workdir.mkdir()
-    proc = run([SCRIPT, "--devices", str(nproc), "--steps", "12", "--root", str(workdir), *script_args], workdir,
-               timeout=400)
+    proc = run(["-m", "lightning_dlrover", "launch", "--nproc-per-node", str(nproc), "--spares", "0",
+                "--master", f"127.0.0.1:{free_port()}", "--", SCRIPT, "--steps", "12", "--root", str(workdir),
+                *script_args], workdir, timeout=400)
     digest = re.findall(r"state digest: ([0-9a-f]{64})", proc.stdout)
     assert digest, proc.stdout[-4000:]
     return digest[-1]

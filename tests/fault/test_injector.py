@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -15,9 +16,12 @@ from lightning_dlrover import DLRoverStrategy, ParityConfig
 from lightning_dlrover.fault.injector import FAULT_ENV, FaultInjector
 from tests.conftest import REPO, TRAIN_SCRIPT, digests, run
 
-# A short process-group timeout bounds how long the surviving ranks wait for a killed one.
-KILL_JOB = [str(TRAIN_SCRIPT), "--pg-timeout", "20", "--no-step-digests"]
-JOB_TIMEOUT = 120
+# The process-group timeout bounds how long the surviving ranks wait for a killed one (gloo sees a SIGKILLed peer's
+# sockets close at once, so only a silent peer waits it out); under Lightning's launcher it also bounds how long the
+# ranks wait for each other's processes to start, which on a loaded machine took more than 20 s (the client socket
+# "timed out after 20000ms while trying to connect").
+KILL_JOB = [str(TRAIN_SCRIPT), "--pg-timeout", "90", "--no-step-digests"]
+JOB_TIMEOUT = 400
 
 
 def run_job(args: list[str], cwd: Path, fault: str | None) -> subprocess.CompletedProcess:
@@ -219,3 +223,46 @@ def test_cli_callback_kills_rank(tmp_path):
     assert "at step 4, phase during_parity_commit with SIGKILL" in proc.stdout
     assert not digests(proc.stdout)
 
+
+
+# A rank of a 2-rank gloo job on a test-hosted store; rank 1 reaches the point ``argv[1]`` seconds late (a loaded
+# machine) and, just before, leaves a mark in ``argv[2]``. The fault kills both ranks at the point.
+TOGETHER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import torch.distributed as dist
+    from lightning_dlrover.fault.injector import FaultInjector
+    dist.init_process_group("gloo", init_method="env://")
+    rank, mark = dist.get_rank(), Path(sys.argv[2])
+    injector = FaultInjector([0, 1], 3, "after_optimizer", "error")
+    if rank == 1:
+        time.sleep(float(sys.argv[1]))
+        mark.write_text("rank 1 reached the point")
+    try:
+        injector("after_optimizer", 3)
+    except RuntimeError as err:
+        print(f"rank {rank}: {err}; rank 1 had reached the point: {mark.exists()}", flush=True)
+        os._exit(0)
+    """
+)
+
+
+def test_ranks_killed_together_each_wait_for_the_others_at_the_point(tmp_path):
+    """``rank=0+1``: rank 0 does not leave the point (die, here raise) before rank 1 reached it, so that a peer
+    still finishing the step never sees it gone (it would fail or recover instead of dying at the point)."""
+    import socket
+
+    from tests.conftest import start
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    mark = tmp_path / "rank1-arrived"
+    procs = [start([sys.executable, "-c", TOGETHER, "4", str(mark)], tmp_path, {**env, "RANK": str(r)}) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "rank 0: FaultInjector: injected error on rank 0 at step 3, phase after_optimizer; rank 1 had reached the " \
+        "point: True" in outs[0], outs[0][-3000:]
+    assert "rank 1 had reached the point: True" in outs[1]

@@ -45,6 +45,9 @@ PLAN_TIMEOUT_ENV = "LIGHTNING_DLROVER_PLAN_TIMEOUT"
 #: Seconds survivors wait for the replacements to start their process group (a cold start imports everything;
 #: default 600).
 REPLACEMENT_TIMEOUT_ENV = "LIGHTNING_DLROVER_REPLACEMENT_TIMEOUT"
+#: Seconds the ranks of a launch wait for each other to start their process group (default 600): every rank
+#: imports torch, Lightning and TorchRec first, which on a loaded machine can take minutes.
+START_TIMEOUT_ENV = "LIGHTNING_DLROVER_START_TIMEOUT"
 PREFIX = "lightning_dlrover/"
 
 
@@ -118,6 +121,26 @@ def _get(store: Store, key: str) -> str:
 
 def _set(store: Store, key: str, value: object) -> None:
     store.set(PREFIX + key, value if isinstance(value, str) else json.dumps(value))
+
+
+def wait_for_ranks(store: Store, launch: int, rank: int, world_size: int, timeout: float | None = None) -> None:
+    """Marks ``rank`` of launch ``launch`` started in ``store`` (a process group's own) and waits until every one
+    of the ``world_size`` ranks is; raises ``RuntimeError`` naming the missing ranks after ``timeout`` seconds
+    (default ``$LIGHTNING_DLROVER_START_TIMEOUT``, 600)."""
+    timeout = timeout if timeout is not None else float(os.environ.get(START_TIMEOUT_ENV, "600"))
+    keys = [f"dlrover_started/{launch}/{r}" for r in range(world_size)]
+    store.set(keys[rank], str(os.getpid()))
+    started = time.monotonic()
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception as err:  # noqa: BLE001 - the store raises on timeout
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(
+            f"rank {rank}: ranks {missing} of {world_size} did not start their process group within "
+            f"{time.monotonic() - started:.0f} s (each imports torch, Lightning and TorchRec first, which a loaded "
+            f"machine slows down). Look at those ranks' output; if they were only slow, raise ${START_TIMEOUT_ENV} "
+            f"(now {timeout:.0f} s)."
+        ) from err
 
 
 # ------------------------------------------------------------------------------------------ spares
