@@ -218,10 +218,11 @@ def describe_plan(plan: ShardingPlan) -> str:
 #: How DDP buckets the dense gradients (``bench/bench_ddp_buckets.py`` measures each). DDP rebuilds its buckets in
 #: gradient-ready order after a process's first step, so a resumed job would reduce that step's gradients in other
 #: buckets than an uninterrupted one and, at > 2 ranks, the float sums would differ (not bit-exact):
-#: - ``per_parameter`` (used): every parameter is its own bucket, before and after the rebuild (a bucket's sum does
-#:   not depend on the other buckets), with no extra autograd traversal;
-#: - ``find_unused``: unused-parameter search, with which DDP never rebuilds, at the price of a traversal of the
-#:   autograd graph every step (and DDP's warning about it on every rank);
+#: - ``find_unused`` (used): unused-parameter search, with which DDP never rebuilds, at the price of a traversal of
+#:   the autograd graph every step (not measurable on the demo DLRM) and DDP's C++ warning about it, once per rank;
+#: - ``per_parameter``: every parameter its own bucket, no traversal; exact across a restart, but NOT across an
+#:   in-process replacement: the rebuild is a collective (bucket order broadcast from rank 0) that a replacement runs
+#:   at its first step and the survivors, rebuilt long ago, do not (tests/fault/test_in_process.py's digests differ);
 #: - ``rebuilt``: DDP's default, not bit-exact after a resume (for comparison only: a 4-rank node-loss drill of
 #:   tests/fault/test_user_models.py then ends with another digest than the fault-free run).
 DDP_BUCKETS: dict[str, dict[str, Any]] = {
@@ -234,7 +235,7 @@ DDP_BUCKETS: dict[str, dict[str, Any]] = {
 
 
 def distribute(
-    module: nn.Module, plan: ShardingPlan, device: torch.device, buckets: str = "per_parameter"
+    module: nn.Module, plan: ShardingPlan, device: torch.device, buckets: str = "find_unused"
 ) -> DistributedModelParallel:
     """``module`` wrapped in TorchRec's ``DistributedModelParallel`` on the world process group, sharded by ``plan``,
     its dense part in DDP with the bucket policy ``buckets`` (one of :data:`DDP_BUCKETS`)."""

@@ -82,7 +82,6 @@ def test_strategy_is_registered():
 
 # What the demo printed on stderr before its first step (issue #20), by the message's own words.
 DEMO_NOISE = [
-    "find_unused_parameters=True was specified",  # DDP: its buckets are now fixed per parameter (sharding.py)
     "TopologyFactory",  # TorchRec's planner: the topology now comes from its factory
     "HeuristicalStorageReservation",  # ... and a fixed-percentage reservation
     "dense tensor size calculation",
