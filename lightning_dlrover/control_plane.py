@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 
 #: Environment variable: ``separate`` gives the control plane a gloo group of its own even when the default group
@@ -62,3 +63,13 @@ def group() -> dist.ProcessGroup | None:
     if dist.is_initialized() and _made_for is not dist.group.WORLD:
         init()
     return _group
+
+
+def all_true(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank: one all-reduce on the control plane (collective), or ``ok`` itself without
+    a process group of more than one rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group())
+    return bool(flag.item())

@@ -35,7 +35,6 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
@@ -351,7 +350,7 @@ class ElasticBatchScaler(Callback):
             if not is_addon_error(err):
                 raise
             error = err
-        if not self._all_ranks_ok(error is None):  # a change half made, or made on some ranks only: put it back
+        if not control_plane.all_true(error is None):  # a change half made, or made on some ranks only: put it back
             loader.global_batch_size, self._lrs, self._recount, self._ramp = before[0], before[2], before[3], before[4]
             _set_learning_rates(optimizers, before[1])
             raise error or RuntimeError(f"another rank failed to switch the global batch {old_batch} -> "
@@ -366,15 +365,6 @@ class ElasticBatchScaler(Callback):
             emit("batch_rescaled", step=trainer.global_step, **record,
                  message=f"global batch {old_batch} -> {decision.global_batch} on {world} ranks ({reason}); "
                          f"learning rates x{decision.lr_factor:.3f} ({decision.rule})")
-
-    @staticmethod
-    def _all_ranks_ok(ok: bool) -> bool:
-        """Whether every rank's part of a change succeeded (one all-reduce over the control plane)."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control_plane.group())
-            return bool(flag.item())
-        return ok
 
     @staticmethod
     def _agreed(decision: Any) -> Any:

@@ -140,9 +140,7 @@ class CodedEmbeddings:
         """Whether every rank's parity equals a fresh encode of the data (collective; the parity is then re-encoded)."""
         held = self.parity.clone()
         self.encode()
-        same = torch.tensor([int(torch.equal(held, self.parity))])
-        dist.all_reduce(same, op=dist.ReduceOp.MIN, group=control_plane.group())
-        return bool(same)
+        return control_plane.all_true(torch.equal(held, self.parity))
 
     def post_deltas(self) -> None:
         """Sends the row deltas since the last commit to their parity holders (pairwise with the fixed parity
