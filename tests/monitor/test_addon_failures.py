@@ -89,6 +89,18 @@ def test_advisor_failing_on_one_rank_before_its_collective_steps_back_on_every_r
 
 
 @pytest.mark.slow
+def test_scaler_failing_on_one_rank_before_its_goodput_decision_steps_back_on_every_rank(tmp_path):
+    # Rank 1 fails predicting the gain, right before the decision's collective rank 0 enters (hung before the fix).
+    proc = run([SCALER_JOB, "--log", tmp_path / "samples", "--devices", "2", "--steps", "8", "--batch", "64",
+                "--range", "32", "256", "--policy", "goodput", "--check-every", "3",
+                "--inject", "lightning_dlrover.elastic.goodput:GoodputModel.worth_switching#1"], tmp_path, timeout=240)
+    assert "`Trainer.fit` stopped: `max_steps=8` reached." in proc.stdout, proc.stdout[-3000:]
+    by_rank = {e.rank: e for e in failures(tmp_path, "ElasticBatchScaler")}
+    assert sorted(by_rank) == [0, 1] and by_rank[0].step == by_rank[1].step == 3, by_rank
+    assert "injected failure" in by_rank[1]["error"] and "rank(s) [1]" in by_rank[0]["error"]
+
+
+@pytest.mark.slow
 def test_tuner_failing_after_a_decision_goes_back_to_the_last_pipeline_and_the_fit_goes_on(tmp_path):
     from lightning_dlrover.data.generate import GeneratorConfig, generate_days
 
