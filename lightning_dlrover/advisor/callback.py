@@ -14,7 +14,9 @@ The hooks call into one module per job: :mod:`~lightning_dlrover.advisor.config`
 
 The advisor never ends the fit (:mod:`~lightning_dlrover.monitor.guard`): a failing job history, report, re-plan or
 recommendation is reported once (an ``addon_failed`` event and a warning) and the advisor goes on without it (in
-memory, no report, the configuration kept); a failure anywhere else in its hooks turns it off for the fit.
+memory, no report, the configuration kept); a failure anywhere else in its hooks turns it off for the fit. A
+failure on some ranks only keeps the ranks in step: the failed rank joins the others' next advisor collective as
+failed (:func:`~lightning_dlrover.advisor.runtime.meet`) and every rank turns the advisor off there together.
 """
 
 from __future__ import annotations
