@@ -14,7 +14,9 @@ The hooks call into one module per job: :mod:`~lightning_dlrover.advisor.config`
 
 The advisor never ends the fit (:mod:`~lightning_dlrover.monitor.guard`): a failing job history, report, re-plan or
 recommendation is reported once (an ``addon_failed`` event and a warning) and the advisor goes on without it (in
-memory, no report, the configuration kept); a failure anywhere else in its hooks turns it off for the fit.
+memory, no report, the configuration kept); a failure anywhere else in its hooks turns it off for the fit. A
+failure on some ranks only keeps the ranks in step: the failed rank joins the others' next advisor collective as
+failed (:func:`~lightning_dlrover.advisor.runtime.meet`) and every rank turns the advisor off there together.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ from lightning_dlrover.advisor.replan import ReplanAdvice, strategy_placement, t
 from lightning_dlrover.advisor.report import write_reports
 from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
 from lightning_dlrover.advisor.restart import RestartDecision, RestartMode
-from lightning_dlrover.advisor.runtime import RuntimeWatch, broadcast
+from lightning_dlrover.advisor.runtime import PeerFailed, RuntimeWatch, broadcast, held, meet
 from lightning_dlrover.advisor.window import ProfilingWindow, RecommendedAt
 from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import ThroughputMonitor, collectives, emit
-from lightning_dlrover.monitor.guard import guarded, is_addon_error, report_degraded
+from lightning_dlrover.monitor.guard import failure, guarded, is_addon_error, report_degraded
 
 if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
     from lightning_dlrover.advisor.history import JobHistory
@@ -107,6 +109,7 @@ class ResourceAdvisor(Callback):
         self.findings: list[str] = []
         self.replan_advice: ReplanAdvice | None = None
         self._started = False
+        self._owes, self._owed_once = False, None  # see _keep_in_step
 
     def validate(self, world_size: int) -> None:
         """Raises a ``ValueError`` if the job history cannot be opened (e.g. its server is unreachable), in the
@@ -181,6 +184,7 @@ class ResourceAdvisor(Callback):
         self._features = table_features(pl_module)
         self.oom = OOMForecaster(self.config.memory_limit_bytes or self.machine.memory_bytes, horizon_steps=10**9)
         self._started = False
+        self._owes, self._owed_once = False, None
         collectives.install()  # every rank's time waiting in collectives, for the straggler detector
 
     @override
@@ -221,19 +225,29 @@ class ResourceAdvisor(Callback):
 
     # ------------------------------------------------------------------------------------------------ steps
     @override
-    @guarded
     @collectives.add_on_hook  # the advisor's own work is left out of the steps it measures
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        first, before = not self._started, held()
+        self._batch_start(trainer, batch)
+        self._keep_in_step(trainer, lambda: 1 if first else 0, before)
+
+    @guarded("on_train_batch_start")
+    def _batch_start(self, trainer: Trainer, batch: Any) -> None:
         if not self._started:
             self._start(trainer, batch)
         if self.watch.lookups is not None:
             self.watch.lookups.observe(batch, hot_rows=trainer.global_step % 10 == 0)
 
     @override
-    @guarded
     @collectives.add_on_hook
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        before = held()
+        self._batch_end(trainer)
+        self._keep_in_step(trainer, lambda: self._collectives_at(trainer.global_step), before)
+
+    @guarded("on_train_batch_end")
+    def _batch_end(self, trainer: Trainer) -> None:
         record = self.monitor.last_step
         if record is None or record.index <= self._seen or not self._started:
             return
@@ -250,6 +264,30 @@ class ResourceAdvisor(Callback):
             self.watch.quiet_until = step + self.config.settle_steps  # probing or just changed: no straggler verdict
         if step % self.config.check_every_n_steps == 0:
             self.watch.check(trainer.global_rank, trainer.num_devices, trainer.world_size, step)
+
+    def _collectives_at(self, step: int) -> int:
+        """The advisor's collectives in ``on_train_batch_end`` at ``step`` (probe ends, recommendation, check)."""
+        if not self._started:
+            return 0
+        return self.window.collectives_at(step) + (step % self.config.check_every_n_steps == 0)
+
+    def _keep_in_step(self, trainer: Trainer, due: Callable[[], int], before: int) -> None:
+        """A hook ran ``held() - before`` of the ``due()`` collectives the other ranks hold in it. Failed on this rank
+        alone (not with the others: :class:`PeerFailed`), the advisor joins their next one as failed, so that every
+        rank steps back there together instead of waiting for this one until the process-group timeout."""
+        record = failure(self)
+        if record is None:
+            return
+        if record.error_type == PeerFailed.__name__:
+            self._owes = False
+        elif self._owed_once is not record:
+            self._owes, self._owed_once = True, record
+        if self._owes and held() - before < due():
+            self._owes = False
+            try:
+                meet(trainer.world_size, None, failed=True)
+            except PeerFailed:
+                pass
 
     def _recommend(self, trainer: Trainer, step: int) -> None:
         """End of the profiling window: rank 0 fits and recommends (and re-plans), every rank acts on it."""

@@ -28,22 +28,41 @@ from lightning_dlrover.advisor.signature import TableSpec
 Report = Callable[[str, "str | None", int, dict[str, Any]], None]
 
 
-def gather(world_size: int, value: Any) -> list[Any]:
-    """Every rank's ``value`` (a collective when ``world_size > 1``)."""
+class PeerFailed(RuntimeError):
+    """Raised on every rank at an advisor collective some rank joined as failed: the advisor steps back everywhere."""
+
+
+_held = [0]  # collectives this process joined through :func:`meet` (the advisor counts those of one hook)
+
+
+def held() -> int:
+    """How many advisor collectives this process has joined so far."""
+    return _held[0]
+
+
+def meet(world_size: int, value: Any, failed: bool = False) -> list[Any]:
+    """Every rank's ``value`` (one ``all_gather_object`` when ``world_size > 1``), each sent with whether its
+    advisor failed; raises :class:`PeerFailed` (after the collective) when any rank did, on every rank alike."""
+    _held[0] += 1
     if world_size == 1 or not dist.is_initialized():
-        return [value]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, value, group=control_plane.group())
-    return out
+        out = [(failed, value)]
+    else:
+        out = [None] * world_size
+        dist.all_gather_object(out, (failed, value), group=control_plane.group())
+    bad = [rank for rank, (f, _) in enumerate(out) if f]
+    if bad:
+        raise PeerFailed(f"the advisor failed on rank(s) {bad}; it steps back on every rank to keep them in step")
+    return [v for _, v in out]
+
+
+def gather(world_size: int, value: Any) -> list[Any]:
+    """Every rank's ``value`` (a collective when ``world_size > 1``; see :func:`meet`)."""
+    return meet(world_size, value)
 
 
 def broadcast(world_size: int, value: Any) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    if world_size == 1 or not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=control_plane.group())
-    return box[0]
+    """Rank 0's ``value`` on every rank (an all-gather, so that every rank also says whether it failed: :func:`meet`)."""
+    return meet(world_size, value)[0]
 
 
 def children_memory() -> tuple[tuple[int, float], ...]:

@@ -41,6 +41,7 @@ class ProfilingWindow:
         #: One observation per probe (every rank), the cores other programs kept busy (last measured).
         self.observations: list[Observation] = []
         self.background = 0.0
+        self._probes: tuple[int | None, int] = (None, 0)  # (first step of the window, probes): its collectives
         #: The model, its recommendation and when it was made (rank 0), ``None`` before the window's end.
         self.model: PerformanceModel | None = None
         self.recommendation: Recommendation | None = None
@@ -51,6 +52,7 @@ class ProfilingWindow:
         self.segments, self.schedule = [], []
         self.observations = []
         self.background = 0.0
+        self._probes = (None, 0)
 
     def plan(self, current: ResourceConfig, machine: Machine, space: SearchSpace, shape: JobShape,
              controls: list[Any], can_set_workers: bool, can_set_batch: bool) -> None:
@@ -59,6 +61,19 @@ class ProfilingWindow:
         if self.config.profile_steps:
             probes = max(1, self.config.profile_steps // self.config.probe_steps)
             self.schedule = probe_schedule(current, machine, space, can_set_workers, can_set_batch, probes)
+        self._probes = (None, len(self.schedule))
+
+    def collectives_at(self, step: int) -> int:
+        """How many advisor collectives :meth:`measure` at ``step`` (and the recommendation after it) hold: a gather
+        at each probe's end, a broadcast at the window's end; known from the schedule alone, so a rank whose advisor
+        failed can still tell when the others meet."""
+        first, probes = self._probes
+        if first is None:  # the window starts at the first step measured: this one
+            self._probes = first, _ = step, probes
+        done, rest = divmod(step - first + 1, self.config.probe_steps)
+        if rest or not 1 <= done <= probes:
+            return 0
+        return 2 if done == probes else 1
 
     def measure(self, trainer: Trainer, step: int, seconds: float, data: float, rss: float,
                 current: ResourceConfig) -> bool:
@@ -69,6 +84,7 @@ class ProfilingWindow:
         settle_steps, probe_steps = self.config.settle_steps, self.config.probe_steps
         if not self.segments:
             self.segments.append(Segment(self.schedule[0], step))
+            self._probes = (step, len(self.schedule))
         segment = self.segments[-1]
         machine_wide = trainer.local_rank == 0
         if step - segment.first_step + 1 == settle_steps or (settle_steps == 0 and segment.cpu_start is None):

@@ -144,6 +144,7 @@ class ElasticBatchScaler(Callback):
         self._world_size = 0
         self._global_batch = 0
         self._requested = False
+        self._met, self._together = 0, False  # goodput decisions joined; whether every rank stepped back at once
         self._recount = False
         self._trainer: pl.Trainer | None = None
         self._lrs: list[float] = []
@@ -269,9 +270,22 @@ class ElasticBatchScaler(Callback):
         self._ramp = None if done >= self.warmup_steps else (start, done)
 
     @override
-    @guarded
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        """Failed on this rank alone, the scaler joins the others' next goodput decision as failed (every rank steps
+        back there together) instead of leaving them waiting at it until the process-group timeout."""
+        step, met = trainer.global_step, self._met
+        due = self.policy == "goodput" and self.goodput is not None and (self._requested or (
+            self.check_every_n_steps and step % self.check_every_n_steps == 0 and step > 0))
+        self._batch_end(trainer, batch_idx)
+        if due and self._met == met and failure(self) is not None and not self._together:
+            try:
+                self._agreed(None, ok=False)
+            except _PeerFailed:
+                pass
+
+    @guarded("on_train_batch_end")
+    def _batch_end(self, trainer: pl.Trainer, batch_idx: int) -> None:
         if self.policy != "goodput" or self.goodput is None:
             return
         per_rank = self._global_batch // trainer.world_size
@@ -351,6 +365,7 @@ class ElasticBatchScaler(Callback):
                 raise
             error = err
         if not control_plane.all_true(error is None):  # a change half made, or made on some ranks only: put it back
+            self._together = True  # every rank fails here
             loader.global_batch_size, self._lrs, self._recount, self._ramp = before[0], before[2], before[3], before[4]
             _set_learning_rates(optimizers, before[1])
             raise error or RuntimeError(f"another rank failed to switch the global batch {old_batch} -> "
@@ -366,11 +381,20 @@ class ElasticBatchScaler(Callback):
                  message=f"global batch {old_batch} -> {decision.global_batch} on {world} ranks ({reason}); "
                          f"learning rates x{decision.lr_factor:.3f} ({decision.rule})")
 
-    @staticmethod
-    def _agreed(decision: Any) -> Any:
-        """Rank 0's decision on every rank (step times, hence predictions, differ between ranks)."""
+    def _agreed(self, decision: Any, ok: bool = True) -> Any:
+        """Rank 0's decision on every rank (step times, hence predictions, differ between ranks); raises on every
+        rank when one joined as failed (``ok=False``), which steps the scaler back on all of them together."""
+        self._met += 1
+        out = [(ok, decision)]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            box = [decision]
-            dist.broadcast_object_list(box, src=0, group=control_plane.group())
-            return box[0]
-        return decision
+            out = [None] * dist.get_world_size()
+            dist.all_gather_object(out, (ok, decision), group=control_plane.group())
+        if not all(fine for fine, _ in out):
+            self._together = True
+            raise _PeerFailed(f"the scaler failed on rank(s) {[r for r, (f, _) in enumerate(out) if not f]}; "
+                               "it steps back on every rank to keep them in step")
+        return out[0][1]
+
+
+class _PeerFailed(RuntimeError):
+    """The scaler failed on some rank: it steps back on every rank."""

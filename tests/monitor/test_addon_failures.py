@@ -67,6 +67,40 @@ def test_monitor_failing_on_one_rank_still_joins_the_collectives(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("spec, hook", [
+    ("lightning_dlrover.advisor.runtime:RuntimeWatch.check@1#1", "on_train_batch_end"),  # before its 2nd gather
+    ("lightning_dlrover.advisor.window:gather#1", "on_train_batch_end"),  # before the first probe's gather
+    ("lightning_dlrover.advisor.callback:broadcast@1#1", "on_train_batch_end"),  # before the recommendation's
+    ("lightning_dlrover.advisor.callback:broadcast#1", "on_train_batch_start"),  # before the warm start's
+])
+def test_advisor_failing_on_one_rank_before_its_collective_steps_back_on_every_rank(tmp_path, spec, hook):
+    # Rank 1's advisor fails right before a collective rank 0 enters: before the fix rank 0 waited there for good.
+    root = tmp_path / "run"
+    proc = run([ADVISOR_JOB, "--root", root, "--devices", "2", "--advisor", "--steps", "16", "--check-every", "4",
+                "--profile-steps", "6", "--probe-steps", "3", "--search", '{"data_workers": [0]}',
+                "--inject", spec], tmp_path, timeout=240)
+    assert "FINAL_STEP 16 world_size 2" in proc.stdout, proc.stdout[-3000:]
+    events = failures(root, "ResourceAdvisor")
+    assert sorted(e.rank for e in events) == [0, 1], events  # each rank reports once
+    by_rank = {e.rank: e for e in events}
+    assert by_rank[1]["hook"] == hook and "injected failure" in by_rank[1]["error"]
+    assert by_rank[0]["error_type"] == "PeerFailed" and "rank(s) [1]" in by_rank[0]["error"]
+    assert by_rank[0].step == by_rank[1].step  # stepped back together, at the same collective
+
+
+@pytest.mark.slow
+def test_scaler_failing_on_one_rank_before_its_goodput_decision_steps_back_on_every_rank(tmp_path):
+    # Rank 1 fails predicting the gain, right before the decision's collective rank 0 enters (hung before the fix).
+    proc = run([SCALER_JOB, "--log", tmp_path / "samples", "--devices", "2", "--steps", "8", "--batch", "64",
+                "--range", "32", "256", "--policy", "goodput", "--check-every", "3",
+                "--inject", "lightning_dlrover.elastic.goodput:GoodputModel.worth_switching#1"], tmp_path, timeout=240)
+    assert "`Trainer.fit` stopped: `max_steps=8` reached." in proc.stdout, proc.stdout[-3000:]
+    by_rank = {e.rank: e for e in failures(tmp_path, "ElasticBatchScaler")}
+    assert sorted(by_rank) == [0, 1] and by_rank[0].step == by_rank[1].step == 3, by_rank
+    assert "injected failure" in by_rank[1]["error"] and "rank(s) [1]" in by_rank[0]["error"]
+
+
+@pytest.mark.slow
 def test_tuner_failing_after_a_decision_goes_back_to_the_last_pipeline_and_the_fit_goes_on(tmp_path):
     from lightning_dlrover.data.generate import GeneratorConfig, generate_days
 
