@@ -8,15 +8,16 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
 from lightning_dlrover.cli.chaos import STORE_ENV
 from lightning_dlrover.fault.injector import FAULT_ENV
-from lightning_dlrover.fault.restart.spill import SPILL_ENV
 from lightning_dlrover.monitor.events import read_events
 from tests.conftest import REPO, run, start
 
@@ -81,15 +82,18 @@ def assert_recovered_in_process(events, digest, reference, step):
 
 
 def test_cold_replacement_during_the_parity_commit(tmp_path, reference):
-    spills = tmp_path / "spills"
-    digest, events, _ = launch(tmp_path, "cold", "--spares", "0", fault="rank=0,step=6,phase=during_parity_commit",
-                               env={SPILL_ENV: str(spills)})
+    run_id = f"cold-{os.getpid()}-{free_port()}"
+    spills = Path("/dev/shm") / f"lightning_dlrover-{os.getuid()}" / run_id  # the launch's default spill directory
+    digest, events, _ = launch(tmp_path, "cold", "--spares", "0", "--run-id", run_id,
+                               fault="rank=0,step=6,phase=during_parity_commit")
+    leftovers = sorted(p.name for p in spills.glob("progress*"))
+    shutil.rmtree(spills, ignore_errors=True)
+    # The replacement took over rank 0's progress record (so a later loss of every rank knows the step it failed
+    # at) and, the job done, removed it like every rank: nothing of the job is left to resume.
+    assert leftovers == [], leftovers
     assert_recovered_in_process(events, digest, reference, step=6)  # the step in flight is rolled back
     planned = next(e for e in events if e.kind == "replacement_planned")
     assert planned.fields["cold"] == [0]
-    # The replacement took over rank 0's progress record (so a later loss of every rank knows the step it failed
-    # at) and, the job done, removed it like every rank: nothing of the job is left to resume.
-    assert sorted(p.name for p in spills.glob("progress*")) == []
 
 
 def test_losing_every_rank_falls_back_to_a_full_restart(tmp_path, reference):
