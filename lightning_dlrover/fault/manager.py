@@ -135,6 +135,8 @@ class FaultManager(CommitProtocol):
         self._buffers = dense_buffers(host.lightning_module)
         self._rank_state_len = rank_state.capture_rank(self._buffers).numel()
         if joining:  # the survivors are not here yet: the collectives below run in rejoin
+            self._spill_dir = spill_dir() if under_torchrun() else None
+            self._record_progress(host)  # the lost rank's record goes on from here (and this rank can spill)
             return None
         state = CodedState(host.model, self.parity.k) if self.parity is not None else None
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(host.world_size)]
@@ -155,13 +157,18 @@ class FaultManager(CommitProtocol):
         elif self.committed_step < 0:
             self.committed_step = 0
         self._dense.take()
-        if self._spill_dir is not None:
-            try:
-                self._progress = ProgressRecord(self._spill_dir, host.global_rank)
-            except (OSError, UnsafeSpillDir) as err:
-                emit("stale_spills_refused", paths=[str(self._spill_dir)], why=str(err),
-                     message=f"not recording progress: {err}")
+        self._record_progress(host)
         return resume
+
+    def _record_progress(self, host: Host) -> None:
+        """Opens this rank's progress record in the spill directory (see :class:`ProgressRecord`)."""
+        if self._spill_dir is None:
+            return
+        try:
+            self._progress = ProgressRecord(self._spill_dir, host.global_rank)
+        except (OSError, UnsafeSpillDir) as err:
+            emit("stale_spills_refused", paths=[str(self._spill_dir)], why=str(err),
+                 message=f"not recording progress: {err}")
 
     def _restore(self, host: Host, state: CodedState | None) -> tuple[RecoveryReport | None, Unrecoverable | None]:
         """Decodes the spills of a failed launch of this job; the reason to fall back when they cannot be used."""

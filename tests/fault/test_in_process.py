@@ -8,9 +8,11 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,12 +32,12 @@ def free_port() -> int:
 
 
 def launch(tmp_path, name: str, *launch_args: str, fault: str | None = None, steps: int = 12, script_args=(),
-           nproc: int = 2):
-    """Runs the user model under the launcher; returns (digest, events, output)."""
+           nproc: int = 2, env: dict[str, str] | None = None):
+    """Runs the user model under the launcher (``env`` added to its environment); returns (digest, events, output)."""
     workdir = tmp_path / name
     workdir.mkdir()
     events = workdir / "events.jsonl"
-    env = {"LIGHTNING_DLROVER_EVENTS": str(events), "LIGHTNING_DLROVER_PLAN_TIMEOUT": "20"}
+    env = {"LIGHTNING_DLROVER_EVENTS": str(events), "LIGHTNING_DLROVER_PLAN_TIMEOUT": "20", **(env or {})}
     if fault:
         env["LIGHTNING_DLROVER_FAULT"] = fault
     proc = run(["-m", "lightning_dlrover", "launch", "--nproc-per-node", str(nproc), "--master", f"127.0.0.1:{free_port()}",
@@ -80,7 +82,15 @@ def assert_recovered_in_process(events, digest, reference, step):
 
 
 def test_cold_replacement_during_the_parity_commit(tmp_path, reference):
-    digest, events, _ = launch(tmp_path, "cold", "--spares", "0", fault="rank=0,step=6,phase=during_parity_commit")
+    run_id = f"cold-{os.getpid()}-{free_port()}"
+    spills = Path("/dev/shm") / f"lightning_dlrover-{os.getuid()}" / run_id  # the launch's default spill directory
+    digest, events, _ = launch(tmp_path, "cold", "--spares", "0", "--run-id", run_id,
+                               fault="rank=0,step=6,phase=during_parity_commit")
+    leftovers = sorted(p.name for p in spills.glob("progress*"))
+    shutil.rmtree(spills, ignore_errors=True)
+    # The replacement took over rank 0's progress record (so a later loss of every rank knows the step it failed
+    # at) and, the job done, removed it like every rank: nothing of the job is left to resume.
+    assert leftovers == [], leftovers
     assert_recovered_in_process(events, digest, reference, step=6)  # the step in flight is rolled back
     planned = next(e for e in events if e.kind == "replacement_planned")
     assert planned.fields["cold"] == [0]
@@ -92,7 +102,11 @@ def test_losing_every_rank_falls_back_to_a_full_restart(tmp_path, reference):
     kinds = [e.kind for e in events]
     assert "restarting_all" in kinds and "recovered_in_process" not in kinds, json.dumps(kinds)
     fallback = next(e for e in events if e.kind == "fallback")
-    assert fallback.step == 3 and fallback.fields["steps_lost"] == 2  # the checkpoint of step 3; steps 3-4 again
+    # the step the job failed at is the one every rank had committed when it was killed (measured, not assumed)
+    committed = {e.fields["committed_step"] for e in events if e.kind == "fault_injected"}
+    assert committed == {5} and fallback.fields["failed_step"] == 5, (committed, fallback.fields)
+    assert fallback.step == 3 and fallback.fields["steps_lost"] == 5 - 3  # the checkpoint of step 3; steps 3-4 again
+    assert "unknown" not in fallback.fields["why"]
     assert digest == reference  # the replay is exact
 
 

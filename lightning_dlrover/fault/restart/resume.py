@@ -35,8 +35,8 @@ def restore_failed_job(host: Host, state: CodedState | None,
     refusals = sum(f[2] for f in facts)
     try:
         report = restore(state, spills)
-    except Unrecoverable as err:
-        return None, err
+    except Unrecoverable as err:  # the spills' step, or a later one a rank committed after another spilled
+        return None, Unrecoverable(str(err), max(err.step, progress if progress is not None else -1))
     finally:
         for spill in spills:  # live again, or superseded by the checkpoint
             if spill.path is not None:
@@ -44,7 +44,11 @@ def restore_failed_job(host: Host, state: CodedState | None,
     if report is None and restarted:  # every rank died at once, or was killed before it could spill
         step = progress if progress is not None else -1
         why = f" ({refusals} spills refused, see above)" if refusals else ""
-        return None, Unrecoverable(f"The job was restarted but no rank left a usable spill{why}.", step)
+        unknown = "" if progress is not None else (
+            f" No node has a progress record of this launch in {directory}, so the step it failed at is unknown: no "
+            "rank committed a step before it died, or the records were removed (or the spill directory differs "
+            "between the launch that failed and this one).")
+        return None, Unrecoverable(f"The job was restarted but no rank left a usable spill{why}.{unknown}", step)
     return report, None
 
 

@@ -11,9 +11,10 @@ job that used the same ``--rdzv-id``): it is refused and removed, never resumed.
 The directory (``$LIGHTNING_DLROVER_SPILL_DIR``, else ``/dev/shm/lightning_dlrover-<uid>/<run id>``) must
 belong to the user and be private (mode 0700; files 0600); anything else is refused.
 
-Every rank also keeps a progress record (``progress<R>``, 32 bytes rewritten in place at each commit) so
-that a restart with no usable spill (every rank died at once) can say how many committed steps the
-fallback to a checkpoint loses.
+Every rank also keeps a progress record (``progress<R>``, 32 bytes rewritten in place at each commit; a process
+that replaces a lost rank in place under ``lightning-dlrover launch`` takes over that rank's record) so that a
+restart with no usable spill (every rank died at once) can say how many committed steps the fallback to a
+checkpoint loses.
 """
 
 from __future__ import annotations
