@@ -233,6 +233,18 @@ def wait_for_replacements(store: Store, launch: int, plan: Plan, timeout: float 
     return True
 
 
+def wait_for_fellow_replacements(launch: int, generation: int) -> None:
+    """On a replacement about to connect ``generation``: waits until every replacement of that generation's plan
+    announced itself (a hot spare would otherwise wait for a cold one, still importing, only the collective
+    timeout). Raises ``RuntimeError`` after ``$LIGHTNING_DLROVER_REPLACEMENT_TIMEOUT`` seconds."""
+    store = connect()
+    timeout = float(os.environ.get(REPLACEMENT_TIMEOUT_ENV, "600"))
+    plan = wait_for_plan(store, launch, generation, timeout=timeout)
+    if plan is None or not wait_for_replacements(store, launch, plan, timeout=timeout):
+        raise RuntimeError(f"generation {generation}: the other replacements did not start within {timeout:.0f} s "
+                           f"(${REPLACEMENT_TIMEOUT_ENV}); look at the launcher's output for why.")
+
+
 # ------------------------------------------------------------------------------------------ workers
 def publish_worker(store: Store, launch: int, rank: int, host: str, pid: int) -> None:
     """Records which process holds ``rank`` (drills and operators read it)."""

@@ -202,7 +202,10 @@ def register() -> None:
 
         joining = membership.is_joining()
         generation = int(os.environ.get(membership.GENERATION_ENV, "0")) if joining else 0
-        if not joining:  # the gloo mesh below waits for its peers only the collective timeout: wait for them first
+        # the gloo mesh below waits for its peers only the collective timeout: wait for them to start first
+        if joining:
+            membership.wait_for_fellow_replacements(restart_count(), generation)
+        else:
             membership.wait_for_ranks(options.store, restart_count(), options.group_rank, options.group_size)
         group = ReconfigurableGroup(options.store, options.group_rank, options.group_size, options.timeout,
                                     joining=joining, generation=generation)
