@@ -193,34 +193,63 @@ def worker_processes(node: Any) -> list[multiprocessing.process.BaseProcess]:
     return _processes(_walk(node))
 
 
-def shutdown_nodes(node: Any) -> None:
+def _mp_queues(objs: list[Any], names: tuple[str, ...] = ("_in_q", "_intermed_q")) -> list[multiprocessing.queues.Queue]:
+    """The queues between this process and worker processes (``_in_q``: written here, ``_intermed_q``: read here)."""
+    return [q for obj in objs for name in names
+            if isinstance(q := getattr(obj, name, None), multiprocessing.queues.Queue)]
+
+
+def _drain(queues: list[multiprocessing.queues.Queue], timeout: float) -> bool:
+    """Takes one item from each queue that has one within ``timeout``; whether any had one."""
+    drained = False
+    for q in queues:
+        try:
+            q.get(timeout=timeout)
+            drained = True
+        except (queue.Empty, OSError, EOFError, ValueError):
+            pass
+    return drained
+
+
+def shutdown_nodes(node: Any, wait_s: float = 2.0) -> None:
     """Stops every thread and worker process of a ``torchdata.nodes`` graph: all stop events first, worker
-    processes given a second to exit (then terminated), then the threads joined."""
+    processes given ``wait_s`` to exit (then terminated), the queues between processes emptied and closed, then
+    the threads joined.
+
+    Nothing is left for the interpreter's exit to wait on: a queue's feeder thread in this process may be half-way
+    through writing an item (a 655 KB block of parsed rows) into a pipe that no worker reads any more, and
+    multiprocessing joins feeder threads at exit; so their joins are cancelled and the queues read empty here."""
     objs = _walk(node)
     for obj in objs:
         for name in ("_stop", "_mp_stop"):
             event = getattr(obj, name, None)
             if event is not None and hasattr(event, "set"):
                 event.set()
-    # A worker exits only once its results are flushed into the pipe: drain the result queues meanwhile.
-    queues = [q for obj in objs if isinstance(q := getattr(obj, "_intermed_q", None), multiprocessing.queues.Queue)]
+    queues = _mp_queues(objs)
+    for q in queues:
+        q.cancel_join_thread()
     processes = _processes(objs)
-    deadline = time.monotonic() + 2.0
+    # A worker exits once its input queue is empty and its results are flushed into the pipe: read both meanwhile.
+    deadline = time.monotonic() + wait_s
     while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
-        drained = False
-        for q in queues:
-            try:
-                q.get(timeout=0.005)
-                drained = True
-            except (queue.Empty, OSError, EOFError, ValueError):
-                pass
-        if not drained:
+        if not _drain(queues, 0.005):
             for process in processes:
                 process.join(timeout=0.005)
     for process in processes:
         if process.is_alive():
             process.terminate()
-            process.join(timeout=2.0)
+    for process in processes:
+        process.join(timeout=wait_s)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=wait_s)
+    # No worker reads now: empty what this process's feeder threads still hold (each read lets one write finish).
+    # Only the queues written here: a result queue may hold half an item from a terminated worker.
+    inputs, deadline = _mp_queues(objs, ("_in_q",)), time.monotonic() + wait_s
+    while time.monotonic() < deadline and _drain(inputs, 0.02):
+        pass
+    for q in queues:
+        q.close()
     for obj in objs:
         if hasattr(obj, "_shutdown"):
             obj._shutdown()
