@@ -5,8 +5,10 @@ A block (bytes of whole lines) is parsed with a handful of numpy operations over
 loop per field. The result is bit-for-bit what the per-line reference parse gives: the same raw integers,
 ``log1p(max(x, 0))`` computed in float64 then rounded to float32, ``int(hex, 16) % table_size``.
 
-Malformed lines (wrong field count, a non-hex categorical, a non-numeric dense value or label) raise
-:class:`MalformedLine` naming the file and the line, or, with ``on_error="skip"``, are dropped and counted.
+Malformed lines (wrong field count, a non-hex categorical or one of more than 15 digits, a non-numeric dense value
+or label, or one of more than 18 digits) raise :class:`MalformedLine` naming the file and the line, or, with
+``on_error="skip"``, are dropped and counted. This is the one parsing rule of the package: the in-process loader
+(:class:`~lightning_dlrover.data.CriteoTSV`) and the staged one both parse with :func:`parse_block`.
 """
 
 from __future__ import annotations
@@ -167,7 +169,9 @@ def transform(raw: RawRows, num_embeddings: Sequence[int],
 
 
 def parse_lines_reference(lines: Sequence[bytes], num_embeddings: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The per-field Python parse (the slow reference the vectorised parse is tested and measured against)."""
+    """The per-field Python parse (the slow reference the vectorised parse is tested and measured against). It is
+    not a second rule: it checks nothing :func:`parse_block` refuses (e.g. it takes a 1 MiB hex field) and is meant
+    only for lines :func:`parse_block` accepts."""
     n = len(lines)
     labels, dense = torch.empty(n), torch.empty(n, NUM_DENSE)
     ids = torch.empty(n, NUM_SPARSE, dtype=torch.int64)

@@ -1,7 +1,7 @@
 """The data pipeline at its edges: a process that stopped a loader on a malformed line exits, and the in-process and
 staged loaders parse by one rule."""
 
-import sys
+from itertools import islice
 
 import pytest
 import torch
@@ -21,3 +21,30 @@ def test_a_process_exits_after_loaders_with_worker_processes_stop_on_a_malformed
     script = REPO / "tests" / "scripts" / "stop_on_malformed.py"
     out = run([script, tmp_path / "data", 3], tmp_path, timeout=180).stdout
     assert out.count("stopped at line 2055") == 1 and out.count("stopped at line 6000") == 3 and "exiting" in out
+
+
+def _first_error(loader):
+    with pytest.raises(MalformedLine) as err:
+        for _ in loader:
+            pass
+    return err.value.path, err.value.line, err.value.reason
+
+
+def test_in_process_and_staged_loaders_parse_by_one_rule(tmp_path):
+    # Before: a 1 MiB hex field was refused by the staged loader and taken (int(h, 16) % size) in process.
+    [path] = generate_days(tmp_path, 1, 400, GeneratorConfig(max_vocab=1000, seed=5))
+    lines = path.read_bytes().splitlines(keepends=True)
+    fields = lines[250].split(b"\t")
+    fields[20] = b"f" * 2**20  # C7
+    lines[250] = b"\t".join(fields)
+    path.write_bytes(b"".join(lines))
+    source = CriteoTSV([path], SIZES)
+    in_process = _first_error(ResumableLoader(source, 0, 1, 100))
+    staged = _first_error(PipelinedLoader(source, 0, 1, 100, PipelineConfig(0, 1, 0, 0, 1), chunk_rows=64))
+    assert in_process == staged == (str(path), 251, "categorical id C7 is not hex (at most 15 digits)")
+    # Before the bad line, both deliver the same batches.
+    staged_loader = PipelinedLoader(source, 0, 1, 100)
+    for a, b in zip(islice(ResumableLoader(source, 0, 1, 100), 2), islice(staged_loader, 2)):
+        assert torch.equal(a.dense_features, b.dense_features) and torch.equal(a.labels, b.labels)
+        assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
+    staged_loader.close()

@@ -18,8 +18,8 @@ import torch
 from torchdata.nodes import BaseNode, ParallelMapper, Prefetcher
 from torchrec.datasets.utils import Batch
 
-from lightning_dlrover.data.staged.config import DEFAULT_METHODS, STAGES, Method, PipelineConfig
 from lightning_dlrover.data.sources import CriteoTSV, make_batch, rank_slice
+from lightning_dlrover.data.staged.config import DEFAULT_METHODS, STAGES, Method, PipelineConfig
 from lightning_dlrover.data.tsv_parse import MalformedLine, OnError, RawRows, UserTransform, parse_block, transform
 
 

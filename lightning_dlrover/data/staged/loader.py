@@ -32,9 +32,9 @@ from torchdata.nodes import BaseNode
 from torchrec.datasets.utils import Batch
 
 from lightning_dlrover.data.loader import ResumableLoader
+from lightning_dlrover.data.sources import CriteoTSV, rank_slice
 from lightning_dlrover.data.staged.config import STAGES, Method, PipelineConfig
 from lightning_dlrover.data.staged.graph import Delivered, build_graph, shutdown_nodes, worker_processes
-from lightning_dlrover.data.sources import CriteoTSV, rank_slice
 from lightning_dlrover.data.tsv_parse import MalformedLine, OnError, UserTransform
 
 __all__ = ["PipelineStats", "PipelinedLoader", "pipelined_loader"]
