@@ -49,12 +49,14 @@ class MalformedLine(ValueError):
 @dataclass
 class RawRows:
     """Parsed, untransformed fields of a block: ``labels`` [n] int64, ``dense`` [n, 13] int64 (0 where
-    missing), ``hex_ids`` [n, 26] int64 (0 where missing), ``skipped``: line numbers dropped by ``on_error="skip"``."""
+    missing), ``hex_ids`` [n, 26] int64 (0 where missing), ``skipped``: line numbers dropped by ``on_error="skip"``,
+    ``skip_reasons``: why each was dropped."""
 
     labels: np.ndarray
     dense: np.ndarray
     hex_ids: np.ndarray
     skipped: list[int] = field(default_factory=list)
+    skip_reasons: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -147,8 +149,8 @@ def parse_block(data: bytes, path: str = "<block>", first_line: int = 1, on_erro
             raise MalformedLine(path, first_line + line, bad_lines[line], data[start:int(newline[line])])
         keep = np.isin(line_idx, list(bad_lines), invert=True)
         labels, dense, hex_ids = labels[keep], dense[keep], hex_ids[keep]
-        skipped = sorted(first_line + i for i in bad_lines)
-        return RawRows(labels, dense, hex_ids, skipped)
+        order = sorted(bad_lines)
+        return RawRows(labels, dense, hex_ids, [first_line + i for i in order], [bad_lines[i] for i in order])
     return RawRows(labels, dense, hex_ids)
 
 

@@ -15,6 +15,7 @@ from tests.conftest import REPO, run
 SIZES = [1000] * 26
 
 
+@pytest.mark.slow
 def test_a_process_exits_after_loaders_with_worker_processes_stop_on_a_malformed_line(tmp_path):
     # Before: multiprocessing's exit handler joined a queue's feeder thread that was writing a 655 KB block into a
     # pipe no worker read any more, and the process never exited. The timeout only detects that hang.

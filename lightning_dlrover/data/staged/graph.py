@@ -34,19 +34,20 @@ class _Chunk:
     ranges: list[tuple[str, int, int, int]]
     payload: Any = None
     busy: dict[str, float] = field(default_factory=dict)
-    skipped: list[tuple[str, int]] = field(default_factory=list)
+    skipped: list[tuple[str, int, str]] = field(default_factory=list)  # (path, line, reason) of dropped lines
     error: tuple[str, int, str, bytes] | None = None  # a malformed line: (path, line, reason, text)
 
 
 @dataclass
 class Delivered:
-    """An assembled batch and what it cost: ``busy`` seconds per stage, ``skipped`` (file, line) pairs."""
+    """An assembled batch and what it cost: ``busy`` seconds per stage, ``skipped`` (file, line, reason) of the
+    malformed lines dropped from it."""
 
     batch: Batch
     batch_start: int
     batch_size: int
     busy: dict[str, float]
-    skipped: list[tuple[str, int]]
+    skipped: list[tuple[str, int, str]]
     nbytes: int
     error: tuple[str, int, str, bytes] | None = None
 
@@ -129,7 +130,7 @@ def _parse(on_error: OnError, chunk: _Chunk) -> _Chunk:
         except MalformedLine as err:  # raised by the loader, in order, as a MalformedLine (not a wrapped error)
             chunk.error, chunk.payload = (err.path, err.line, err.reason, err.text), None
             return chunk
-        chunk.skipped.extend((path, line) for line in raw.skipped)
+        chunk.skipped.extend((path, line, reason) for line, reason in zip(raw.skipped, raw.skip_reasons))
         parts.append(raw)
     if len(parts) == 1:
         chunk.payload = parts[0]
