@@ -246,9 +246,9 @@ def shutdown_nodes(node: Any, wait_s: float = 2.0) -> None:
             process.join(timeout=wait_s)
     # No worker reads now: empty what this process's feeder threads still hold (each read lets one write finish).
     # Only the queues written here: a result queue may hold half an item from a terminated worker.
-    inputs, deadline = _mp_queues(objs, ("_in_q",)), time.monotonic() + wait_s
-    while time.monotonic() < deadline and _drain(inputs, 0.02):
-        pass
+    inputs, deadline, timeout = _mp_queues(objs, ("_in_q",)), time.monotonic() + wait_s, 0.002
+    while time.monotonic() < deadline and _drain(inputs, timeout):
+        timeout = 0.02  # a feeder thread had items: give it time to write the next
     for q in queues:
         q.close()
     for obj in objs:
