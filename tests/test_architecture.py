@@ -25,6 +25,7 @@ LAYERS = {
 SIDEWAYS = {
     ("monitor", "checkpoint"),  # the state digest hashes what a checkpoint holds
     ("models", "data"),  # the DLRM's batch type
+    ("data", "monitor"),  # the staged loader records the malformed lines it skipped as events
     ("elastic", "data"),  # the scaler resizes the data module's batches
     ("pipeline_tuner", "data"),  # the tuner drives the staged loader
     ("advisor", "pipeline_tuner"),  # the advisor hands the tuner its CPU budget

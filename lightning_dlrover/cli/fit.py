@@ -11,6 +11,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_dlrover  # noqa: F401  (registers strategy="dlrover")
 from lightning_dlrover.data import DLRMDataModule
 from lightning_dlrover.data.sources import rank_slice
+from lightning_dlrover.data.tsv_parse import MalformedLine
 from lightning_dlrover.elastic.scaler import ElasticBatchScaler
 from lightning_dlrover.fault import elastic_trainer_args
 from lightning_dlrover.models import DLRMModule
@@ -69,11 +70,19 @@ def check_addons(callbacks: Any) -> None:
 
 
 def fit(args: list[str] | None) -> None:
-    """Runs LightningCLI with ``args`` (e.g. ``["fit", "--config", "configs/demo.yaml"]``; ``None``: the command line)."""
-    DLRoverCLI(
-        DLRMModule,
-        DLRMDataModule,
-        args=args,
-        parser_kwargs={"prog": "lightning-dlrover"},
-        save_config_kwargs={"overwrite": True},  # a restarted elastic worker rewrites the same config
-    )
+    """Runs LightningCLI with ``args`` (e.g. ``["fit", "--config", "configs/demo.yaml"]``; ``None``: the command line).
+
+    A malformed data line (``data.pipeline.on_error: raise``) ends the command with its one-line message (file, line,
+    what is wrong, how to go on) and exit status 1, not the trainer's traceback around it. From Python, ``Trainer.fit``
+    raises the :class:`~lightning_dlrover.data.tsv_parse.MalformedLine` itself."""
+    try:
+        DLRoverCLI(
+            DLRMModule,
+            DLRMDataModule,
+            args=args,
+            parser_kwargs={"prog": "lightning-dlrover"},
+            save_config_kwargs={"overwrite": True},  # a restarted elastic worker rewrites the same config
+        )
+    except MalformedLine as err:
+        print(f"lightning-dlrover fit: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)

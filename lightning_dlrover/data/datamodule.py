@@ -86,6 +86,12 @@ class DLRMDataModule(pl.LightningDataModule):
             self._train_loader = self._loader(train=True)
         return self._train_loader
 
+    def teardown(self, stage: str) -> None:
+        """At the end of fit: reports the malformed lines the staged loader skipped since its last report."""
+        report = getattr(self._train_loader, "report_skipped", None)
+        if stage == "fit" and report is not None:
+            report("fit")
+
     def val_dataloader(self) -> ResumableLoader | list:
         """The rank's validation loader, or none when validation is disabled."""
         if not self.hparams.val_criteo_paths and self.hparams.val_batches == 0:

@@ -37,7 +37,7 @@ SPARSE_MISSING = (0.0, 0.0, 0.03, 0.03, 0.0, 0.12, 0.0, 0.0, 0.0, 0.0, 0.0, 0.03
                   0.44, 0.44, 0.03, 0.76, 0.0, 0.03, 0.44, 0.44)
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _ROWS_PER_CHUNK = 65536
-BYTES_PER_ROW_ESTIMATE = 190  # what `gen-criteo --size-mb` divides by
+_SIZE_SAMPLE_ROWS = 16384  # rows generated to measure the mean line length (rows_for_size)
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,15 @@ def generate_rows(config: GeneratorConfig, file_index: int, chunk: int, rows: in
     for j, (chars, lengths) in enumerate(columns):
         _scatter(out, field_start[j], chars, lengths)
     return out.tobytes()
+
+
+def rows_for_size(size_bytes: float, config: GeneratorConfig = GeneratorConfig()) -> int:
+    """Lines per file for files of about ``size_bytes`` under ``config`` (its mean line length, measured on a sample
+    of its own lines: it depends on the vocabulary, the missing shares and the counts' tails)."""
+    if size_bytes <= 0:
+        raise ValueError(f"size_bytes={size_bytes} must be positive.")
+    sample = len(generate_rows(config, 0, 0, _SIZE_SAMPLE_ROWS)) / _SIZE_SAMPLE_ROWS
+    return max(1, round(size_bytes / sample))
 
 
 def write_day_file(path: str | Path, rows: int, config: GeneratorConfig = GeneratorConfig(), file_index: int = 0) -> int:

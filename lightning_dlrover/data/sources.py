@@ -12,7 +12,6 @@ per categorical feature, ``0 <= ids[:, f] < num_embeddings[f]``), ``labels`` flo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -21,6 +20,8 @@ import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_dlrover.data.tsv_parse import parse_block, transform
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -143,7 +144,9 @@ class CriteoTSV:
     """Criteo Kaggle/Terabyte day files: ``label \\t 13 integer features \\t 26 hex categorical features``.
 
     Missing values are empty fields. Dense features become ``log1p(max(x, 0))``; categorical hex strings
-    are mapped to ``int(hex, 16) % num_embeddings`` (missing -> 0). The files are one sequence of samples
+    are mapped to ``int(hex, 16) % num_embeddings`` (missing -> 0). Lines are parsed by the one rule of
+    :mod:`~lightning_dlrover.data.tsv_parse`, the staged loader's too (e.g. a categorical field of more than 15 hex
+    digits is a malformed line in both). The files are one sequence of samples
     in the given order; an index of line offsets (built on first use, one pass over the files) lets
     :meth:`rows` read any range directly.
 
@@ -200,32 +203,18 @@ class CriteoTSV:
     def parse(
         self, lines: list[bytes], path: Path | str = "<lines>", first_line: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Dense [n, 13] float32, ids [n, 26] int64 and labels [n] float32 of TSV lines."""
-        n = len(lines)
-        labels = torch.empty(n)
-        dense = torch.empty(n, NUM_DENSE)
-        ids = torch.empty(n, NUM_SPARSE, dtype=torch.int64)
-        for row, line in enumerate(lines):
-            fields = line.rstrip(b"\r\n").split(b"\t")
-            try:
-                if len(fields) != 1 + NUM_DENSE + NUM_SPARSE:
-                    raise ValueError(f"{len(fields)} fields (expected 40)")
-                labels[row] = float(fields[0])
-                dense[row] = torch.tensor(
-                    [math.log1p(max(int(x), 0)) if x else 0.0 for x in fields[1 : 1 + NUM_DENSE]]
-                )
-                ids[row] = torch.tensor(
-                    [int(h, 16) % m if h else 0 for h, m in zip(fields[1 + NUM_DENSE :], self.num_embeddings)]
-                )
-            except ValueError as error:
-                raise ValueError(
-                    f"malformed Criteo line {path}:{first_line + row}: {error}: {line[:80]!r}"
-                ) from None
-        return dense, ids, labels
+        """Dense [n, 13] float32, ids [n, 26] int64 and labels [n] float32 of TSV lines, by the one parsing rule of
+        :mod:`~lightning_dlrover.data.tsv_parse` (the staged loader's): a malformed line raises
+        :class:`~lightning_dlrover.data.tsv_parse.MalformedLine` naming ``path`` and its line number."""
+        return transform(parse_block(b"\n".join(lines), str(path), first_line), self.num_embeddings)
 
     def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dense ``[n, 13]``, ids ``[n, 26]`` and labels ``[n]`` of samples ``[start, stop)``."""
-        parts = [self.parse(lines, path, first) for path, first, lines in self.lines(start, stop)]
+        parts = []
+        for path, first_line, offset, length in self.byte_ranges(start, stop):
+            with open(path, "rb") as f:
+                f.seek(offset)
+                parts.append(transform(parse_block(f.read(length), str(path), first_line), self.num_embeddings))
         if len(parts) == 1:
             return parts[0]
         return tuple(torch.cat(p) for p in zip(*parts)) if parts else self.parse([])

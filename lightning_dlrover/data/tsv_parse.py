@@ -5,8 +5,10 @@ A block (bytes of whole lines) is parsed with a handful of numpy operations over
 loop per field. The result is bit-for-bit what the per-line reference parse gives: the same raw integers,
 ``log1p(max(x, 0))`` computed in float64 then rounded to float32, ``int(hex, 16) % table_size``.
 
-Malformed lines (wrong field count, a non-hex categorical, a non-numeric dense value or label) raise
-:class:`MalformedLine` naming the file and the line, or, with ``on_error="skip"``, are dropped and counted.
+Malformed lines (wrong field count, a non-hex categorical or one of more than 15 digits, a non-numeric dense value
+or label, or one of more than 18 digits) raise :class:`MalformedLine` naming the file and the line, or, with
+``on_error="skip"``, are dropped and counted. This is the one parsing rule of the package: the in-process loader
+(:class:`~lightning_dlrover.data.CriteoTSV`) and the staged one both parse with :func:`parse_block`.
 """
 
 from __future__ import annotations
@@ -47,12 +49,14 @@ class MalformedLine(ValueError):
 @dataclass
 class RawRows:
     """Parsed, untransformed fields of a block: ``labels`` [n] int64, ``dense`` [n, 13] int64 (0 where
-    missing), ``hex_ids`` [n, 26] int64 (0 where missing), ``skipped``: line numbers dropped by ``on_error="skip"``."""
+    missing), ``hex_ids`` [n, 26] int64 (0 where missing), ``skipped``: line numbers dropped by ``on_error="skip"``,
+    ``skip_reasons``: why each was dropped."""
 
     labels: np.ndarray
     dense: np.ndarray
     hex_ids: np.ndarray
     skipped: list[int] = field(default_factory=list)
+    skip_reasons: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -145,8 +149,8 @@ def parse_block(data: bytes, path: str = "<block>", first_line: int = 1, on_erro
             raise MalformedLine(path, first_line + line, bad_lines[line], data[start:int(newline[line])])
         keep = np.isin(line_idx, list(bad_lines), invert=True)
         labels, dense, hex_ids = labels[keep], dense[keep], hex_ids[keep]
-        skipped = sorted(first_line + i for i in bad_lines)
-        return RawRows(labels, dense, hex_ids, skipped)
+        order = sorted(bad_lines)
+        return RawRows(labels, dense, hex_ids, [first_line + i for i in order], [bad_lines[i] for i in order])
     return RawRows(labels, dense, hex_ids)
 
 
@@ -167,7 +171,9 @@ def transform(raw: RawRows, num_embeddings: Sequence[int],
 
 
 def parse_lines_reference(lines: Sequence[bytes], num_embeddings: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The per-field Python parse (the slow reference the vectorised parse is tested and measured against)."""
+    """The per-field Python parse (the slow reference the vectorised parse is tested and measured against). It is
+    not a second rule: it checks nothing :func:`parse_block` refuses (e.g. it takes a 1 MiB hex field) and is meant
+    only for lines :func:`parse_block` accepts."""
     n = len(lines)
     labels, dense = torch.empty(n), torch.empty(n, NUM_DENSE)
     ids = torch.empty(n, NUM_SPARSE, dtype=torch.int64)

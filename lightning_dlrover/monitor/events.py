@@ -71,6 +71,9 @@ KINDS: dict[str, tuple[str, ...]] = {
                           "next_config", "reason", "predicted_memory_bytes"),
     "pipeline_tuned": ("tuner", "start_config", "config", "start_samples_per_s", "samples_per_s", "gain", "windows",
                        "resets", "peak_memory_bytes", "budget_memory_bytes", "budget_cpus"),
+    # The staged data loader dropped malformed lines (data.pipeline.on_error: skip), one event per file at the end of
+    # each epoch and of fit (what the epoch's event did not cover): line and reason of the first, count of them all
+    "data_skipped": ("file", "line", "reason", "count"),
     # ElasticBatchScaler (step: the global step the change takes effect after)
     "batch_rescaled": ("reason", "policy", "rule", "old_world_size", "world_size", "old_global_batch", "global_batch",
                        "per_rank_batch", "lr_factor", "noise_scale", "predicted_gain"),

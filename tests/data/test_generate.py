@@ -38,3 +38,12 @@ def test_cli_writes_day_files(tmp_path, capsys):
     assert [f.name for f in files] == ["day_0.tsv", "day_1.tsv"]
     assert all(f.read_bytes().count(b"\n") == 1234 for f in files)
     assert "wrote 2 file(s)" in capsys.readouterr().out
+
+
+def test_cli_size_mb_is_the_size_written(tmp_path, capsys):
+    # Before: a fixed 190 bytes per line was assumed; the lines average ~243, so --size-mb 80 wrote 102 MB.
+    for size_mb, vocab in ((3, "1000000"), (1.5, "50")):
+        out = tmp_path / str(size_mb)
+        assert main(["--out", str(out), "--size-mb", str(size_mb), "--max-vocab", vocab]) == 0
+        [day] = out.glob("day_*.tsv")
+        assert abs(day.stat().st_size / (size_mb * 1e6) - 1) < 0.02

@@ -101,10 +101,10 @@ def test_criteo_tsv_errors_name_file_and_line(tmp_path):
         CriteoTSV([tmp_path / "missing.tsv"], SIZES)
     good = "\t".join(criteo_row(1, 3)) + "\n"
     (tmp_path / "bad.tsv").write_text(good + "1\t2\t3\n")
-    with pytest.raises(ValueError, match=r"bad.tsv:2: 3 fields \(expected 40\)"):
+    with pytest.raises(ValueError, match=r"bad.tsv:2: malformed Criteo line \(3 fields, expected 40\)"):
         CriteoTSV([tmp_path / "bad.tsv"], SIZES).rows(0, 2)
     (tmp_path / "hex.tsv").write_text(good.replace(format(1003, "x"), "zz"))
-    with pytest.raises(ValueError, match=r"hex.tsv:1: invalid literal"):
+    with pytest.raises(ValueError, match=r"hex.tsv:1: malformed Criteo line \(categorical id C1 is not hex"):
         CriteoTSV([tmp_path / "hex.tsv"], SIZES).rows(0, 1)
 
 

@@ -18,8 +18,8 @@ import torch
 from torchdata.nodes import BaseNode, ParallelMapper, Prefetcher
 from torchrec.datasets.utils import Batch
 
-from lightning_dlrover.data.staged.config import DEFAULT_METHODS, STAGES, Method, PipelineConfig
 from lightning_dlrover.data.sources import CriteoTSV, make_batch, rank_slice
+from lightning_dlrover.data.staged.config import DEFAULT_METHODS, STAGES, Method, PipelineConfig
 from lightning_dlrover.data.tsv_parse import MalformedLine, OnError, RawRows, UserTransform, parse_block, transform
 
 
@@ -34,19 +34,20 @@ class _Chunk:
     ranges: list[tuple[str, int, int, int]]
     payload: Any = None
     busy: dict[str, float] = field(default_factory=dict)
-    skipped: list[tuple[str, int]] = field(default_factory=list)
+    skipped: list[tuple[str, int, str]] = field(default_factory=list)  # (path, line, reason) of dropped lines
     error: tuple[str, int, str, bytes] | None = None  # a malformed line: (path, line, reason, text)
 
 
 @dataclass
 class Delivered:
-    """An assembled batch and what it cost: ``busy`` seconds per stage, ``skipped`` (file, line) pairs."""
+    """An assembled batch and what it cost: ``busy`` seconds per stage, ``skipped`` (file, line, reason) of the
+    malformed lines dropped from it."""
 
     batch: Batch
     batch_start: int
     batch_size: int
     busy: dict[str, float]
-    skipped: list[tuple[str, int]]
+    skipped: list[tuple[str, int, str]]
     nbytes: int
     error: tuple[str, int, str, bytes] | None = None
 
@@ -129,7 +130,7 @@ def _parse(on_error: OnError, chunk: _Chunk) -> _Chunk:
         except MalformedLine as err:  # raised by the loader, in order, as a MalformedLine (not a wrapped error)
             chunk.error, chunk.payload = (err.path, err.line, err.reason, err.text), None
             return chunk
-        chunk.skipped.extend((path, line) for line in raw.skipped)
+        chunk.skipped.extend((path, line, reason) for line, reason in zip(raw.skipped, raw.skip_reasons))
         parts.append(raw)
     if len(parts) == 1:
         chunk.payload = parts[0]
@@ -193,34 +194,63 @@ def worker_processes(node: Any) -> list[multiprocessing.process.BaseProcess]:
     return _processes(_walk(node))
 
 
-def shutdown_nodes(node: Any) -> None:
+def _mp_queues(objs: list[Any], names: tuple[str, ...] = ("_in_q", "_intermed_q")) -> list[multiprocessing.queues.Queue]:
+    """The queues between this process and worker processes (``_in_q``: written here, ``_intermed_q``: read here)."""
+    return [q for obj in objs for name in names
+            if isinstance(q := getattr(obj, name, None), multiprocessing.queues.Queue)]
+
+
+def _drain(queues: list[multiprocessing.queues.Queue], timeout: float) -> bool:
+    """Takes one item from each queue that has one within ``timeout``; whether any had one."""
+    drained = False
+    for q in queues:
+        try:
+            q.get(timeout=timeout)
+            drained = True
+        except (queue.Empty, OSError, EOFError, ValueError):
+            pass
+    return drained
+
+
+def shutdown_nodes(node: Any, wait_s: float = 2.0) -> None:
     """Stops every thread and worker process of a ``torchdata.nodes`` graph: all stop events first, worker
-    processes given a second to exit (then terminated), then the threads joined."""
+    processes given ``wait_s`` to exit (then terminated), the queues between processes emptied and closed, then
+    the threads joined.
+
+    Nothing is left for the interpreter's exit to wait on: a queue's feeder thread in this process may be half-way
+    through writing an item (a 655 KB block of parsed rows) into a pipe that no worker reads any more, and
+    multiprocessing joins feeder threads at exit; so their joins are cancelled and the queues read empty here."""
     objs = _walk(node)
     for obj in objs:
         for name in ("_stop", "_mp_stop"):
             event = getattr(obj, name, None)
             if event is not None and hasattr(event, "set"):
                 event.set()
-    # A worker exits only once its results are flushed into the pipe: drain the result queues meanwhile.
-    queues = [q for obj in objs if isinstance(q := getattr(obj, "_intermed_q", None), multiprocessing.queues.Queue)]
+    queues = _mp_queues(objs)
+    for q in queues:
+        q.cancel_join_thread()
     processes = _processes(objs)
-    deadline = time.monotonic() + 2.0
+    # A worker exits once its input queue is empty and its results are flushed into the pipe: read both meanwhile.
+    deadline = time.monotonic() + wait_s
     while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
-        drained = False
-        for q in queues:
-            try:
-                q.get(timeout=0.005)
-                drained = True
-            except (queue.Empty, OSError, EOFError, ValueError):
-                pass
-        if not drained:
+        if not _drain(queues, 0.005):
             for process in processes:
                 process.join(timeout=0.005)
     for process in processes:
         if process.is_alive():
             process.terminate()
-            process.join(timeout=2.0)
+    for process in processes:
+        process.join(timeout=wait_s)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=wait_s)
+    # No worker reads now: empty what this process's feeder threads still hold (each read lets one write finish).
+    # Only the queues written here: a result queue may hold half an item from a terminated worker.
+    inputs, deadline, timeout = _mp_queues(objs, ("_in_q",)), time.monotonic() + wait_s, 0.002
+    while time.monotonic() < deadline and _drain(inputs, timeout):
+        timeout = 0.02  # a feeder thread had items: give it time to write the next
+    for q in queues:
+        q.close()
     for obj in objs:
         if hasattr(obj, "_shutdown"):
             obj._shutdown()

@@ -32,12 +32,15 @@ from torchdata.nodes import BaseNode
 from torchrec.datasets.utils import Batch
 
 from lightning_dlrover.data.loader import ResumableLoader
+from lightning_dlrover.data.sources import CriteoTSV, rank_slice
 from lightning_dlrover.data.staged.config import STAGES, Method, PipelineConfig
 from lightning_dlrover.data.staged.graph import Delivered, build_graph, shutdown_nodes, worker_processes
-from lightning_dlrover.data.sources import CriteoTSV, rank_slice
 from lightning_dlrover.data.tsv_parse import MalformedLine, OnError, UserTransform
+from lightning_dlrover.log import get_logger
+from lightning_dlrover.monitor.events import emit
 
 __all__ = ["PipelineStats", "PipelinedLoader", "pipelined_loader"]
+log = get_logger(__name__)
 
 
 @dataclass
@@ -67,7 +70,9 @@ class PipelinedLoader(ResumableLoader):
         config: workers per stage and prefetch depth (change it later with :meth:`reconfigure`).
         chunk_rows: rows per work item (a rank's batch is split into chunks that flow through the stages).
         on_error: ``"raise"`` on a malformed line (the error names file and line) or ``"skip"`` it (counted in
-            ``stats.skipped``; its batch is one sample short).
+            ``stats.skipped``; its batch is one sample short). Skips are reported: a warning at the first one of
+            each file, and at the end of each epoch (or the start of the next) and by :meth:`report_skipped` a
+            ``data_skipped`` event and a warning per file with the count.
         user_transforms: functions ``(dense, ids, labels) -> (dense, ids, labels)`` applied after the built-in
             transform (must be picklable by reference, e.g. module-level functions, for process workers).
         methods: per-stage ``"thread"`` or ``"process"`` (default: processes for parse and transform).
@@ -93,6 +98,8 @@ class PipelinedLoader(ResumableLoader):
         self._lock = threading.Lock()
         self.stats = PipelineStats()
         self.skipped_lines: list[tuple[str, int]] = []
+        self._unreported: dict[str, list] = {}  # file -> [count, first line, its reason] since the last report
+        self._warned: set[str] = set()
 
     @property
     def config(self) -> PipelineConfig:
@@ -134,6 +141,8 @@ class PipelinedLoader(ResumableLoader):
         start, self._resume_from = self._resume_from, 0
         self._next_sample = start
         self.close()
+        # The trainer stops after len(self) batches, so the epoch before may not have reached its end below.
+        self.report_skipped("epoch")
         total = len(self.source)
         try:
             while self._next_sample + self.global_batch_size <= total:
@@ -156,10 +165,40 @@ class PipelinedLoader(ResumableLoader):
                     stats.busy[stage] += seconds
                 if item.skipped:
                     stats.skipped += len(item.skipped)
-                    self.skipped_lines.extend(item.skipped)
+                    self._note_skipped(item.skipped)
                 yield item.batch
+            self.report_skipped("epoch")
         finally:
             self.close()
+
+    def _note_skipped(self, skipped: list[tuple[str, int, str]]) -> None:
+        for path, line, reason in skipped:
+            self.skipped_lines.append((path, line))
+            entry = self._unreported.setdefault(path, [0, line, reason])
+            entry[0] += 1
+            if path not in self._warned:
+                self._warned.add(path)
+                log.warning(f"lightning_dlrover: {path}:{line}: skipped a malformed Criteo line ({reason}) as "
+                            "on_error='skip' says; its batch is one sample short. Further skips of this file are "
+                            "counted and reported at the end of the epoch (data_skipped events).")
+
+    def report_skipped(self, period: str = "fit") -> int:
+        """Reports the malformed lines skipped since the last report (the loader does at the end of each epoch):
+        per file a ``data_skipped`` event (the first line, its reason, the count) and a warning; returns the count.
+
+        Args:
+            period: what the count covers, for the warning (``"epoch"``, ``"fit"``).
+        """
+        unreported, self._unreported = self._unreported, {}
+        for path, (count, line, reason) in sorted(unreported.items()):
+            emit("data_skipped", file=path, line=line, reason=reason, count=count)
+            log.warning(f"lightning_dlrover: skipped {count} malformed line{'s' * (count != 1)} of {path} in this "
+                        f"{period} (first: line {line}, {reason}; on_error='skip').")
+        if period == "fit" and self.stats.skipped:
+            log.warning(f"lightning_dlrover: this fit skipped {self.stats.skipped} malformed line"
+                        f"{'s' * (self.stats.skipped != 1)} in all (the data_skipped events list them per file and "
+                        "epoch); fix or remove them, or keep data.pipeline.on_error: skip.")
+        return sum(count for count, _, _ in unreported.values())
 
 
 def pipelined_loader(source: CriteoTSV, rank: int, world_size: int, global_batch_size: int,
