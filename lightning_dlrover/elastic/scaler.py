@@ -57,7 +57,7 @@ from lightning_dlrover.elastic.batch import (
 )
 from lightning_dlrover.elastic.goodput import GoodputModel, GradientNoiseProbe, NoiseScaleEstimator
 from lightning_dlrover.monitor.events import emit
-from lightning_dlrover.monitor.guard import failure, guarded, is_addon_error, report_failure
+from lightning_dlrover.monitor.guard import failure, guarded, is_addon_error
 from lightning_dlrover.torchrec_glue import set_fused_learning_rate
 
 
@@ -230,12 +230,11 @@ class ElasticBatchScaler(Callback):
                                "training-batch hook (e.g. the resource advisor's on_train_batch_end).")
         if batch < 1:
             raise ValueError(f"set_batch_per_rank({batch}): the batch per rank must be a positive integer.")
-        try:
-            self.set_global_batch(self._trainer, batch * self._trainer.world_size, reason="advisor")
-        except Exception as error:  # the scaler's own failure: reported, put back, never the caller's to handle
-            if not is_addon_error(error):
-                raise
-            report_failure(self, "set_batch_per_rank", error, self._trainer.global_step)
+        self._set_batch_per_rank(batch)
+
+    @guarded("set_batch_per_rank")  # the scaler's own failure: reported, put back, never the caller's to handle
+    def _set_batch_per_rank(self, batch: int) -> None:
+        self.set_global_batch(self._trainer, batch * self._trainer.world_size, reason="advisor")
 
     def choices(self) -> tuple[int, ...]:
         """Per-rank batches of the range among half, the same and twice the current one (the advisor's search)."""

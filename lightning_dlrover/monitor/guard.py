@@ -122,15 +122,18 @@ def _report(name: str, hook: str, error: BaseException, stepped: str, step: int 
     return record
 
 
-def _step(args: tuple) -> int | None:
-    step = getattr(args[0], "global_step", None) if args else None
+def _step(addon: Any, args: tuple) -> int | None:
+    """The training step: of the hook's trainer argument, else of the trainer the add-on keeps (``_trainer``)."""
+    trainer = args[0] if args and hasattr(args[0], "global_step") else getattr(addon, "_trainer", None)
+    step = getattr(trainer, "global_step", None)
     return step if isinstance(step, int) else None
 
 
 def guarded(hook: F | str) -> F | Callable[[F], F]:
-    """Wraps an add-on's hook (a method taking the trainer first): once the add-on failed it does nothing (returns
-    ``None``); an error the guard may catch (:func:`is_addon_error`) is reported (:func:`report_failure`) instead of
-    raised. ``@guarded("on_train_batch_end")`` names the hook a helper method runs in, for the report."""
+    """Wraps an add-on's hook (or a method others call, e.g. the advisor's ``set_budget``): once the add-on failed it
+    does nothing (returns ``None``); an error the guard may catch (:func:`is_addon_error`) is reported
+    (:func:`report_failure`) instead of raised. ``@guarded("set_budget")`` names the hook or method a helper runs in,
+    for the report."""
     if isinstance(hook, str):
         return lambda method: _guard(method, hook)
     return _guard(hook, hook.__name__)
@@ -146,7 +149,7 @@ def _guard(hook: F, name: str) -> F:
         except Exception as error:
             if not is_addon_error(error):
                 raise
-            report_failure(self, name, error, _step(args))
+            report_failure(self, name, error, _step(self, args))
             return None
 
     return run  # type: ignore[return-value]
