@@ -69,8 +69,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     # PipelineTuner (step: the global step of the decision)
     "pipeline_decision": ("tuner", "config", "samples_per_s", "wait_fraction", "memory_bytes", "budget_memory_bytes",
                           "next_config", "reason", "predicted_memory_bytes"),
-    "pipeline_tuned": ("tuner", "start_config", "config", "start_samples_per_s", "samples_per_s", "gain", "windows",
-                       "resets", "peak_memory_bytes", "budget_memory_bytes", "budget_cpus"),
+    "pipeline_tuned": ("tuner", "start_config", "config", "kept_start", "start_samples_per_s", "samples_per_s", "gain",
+                       "windows", "resets", "peak_memory_bytes", "budget_memory_bytes", "budget_cpus"),
     # ElasticBatchScaler (step: the global step the change takes effect after)
     "batch_rescaled": ("reason", "policy", "rule", "old_world_size", "world_size", "old_global_batch", "global_batch",
                        "per_rank_batch", "lr_factor", "noise_scale", "predicted_gain"),
