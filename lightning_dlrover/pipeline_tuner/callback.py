@@ -130,11 +130,12 @@ class PipelineTuner(Callback):
     def _set_budget(self, cpus: int) -> None:
         self.budget = dataclasses.replace(self.budget, cpus=int(cpus))
         current = self.driver.loader.config
+        guard = MemoryGuard(self.budget)
+        within = current if guard.allows(current) else shrink(current, guard)  # the new budget is a hard limit
         if self.tuner_name == "fixed":
-            guard = MemoryGuard(self.budget)
-            self.tuner = FixedTuner(current if guard.allows(current) else shrink(current, guard))
+            self.tuner = FixedTuner(within)
         elif self.tuner_name == "rl":
-            self.tuner = RLTuner(self.budget, start=current, seed=self.seed)
+            self.tuner = RLTuner(self.budget, start=within, seed=self.seed)
         else:
             self.tuner = HillClimbTuner(self.budget)
         self.driver.use_tuner(self.tuner)
