@@ -60,7 +60,8 @@ from dataclasses import dataclass
 from lightning_dlrover.data.staged import STAGES, PipelineConfig
 from lightning_dlrover.pipeline_tuner.observe import Budget, MemoryGuard, Observation
 
-Action = tuple  # ("add", s) | ("add", s, s2) | ("remove", s) | ("move", src, dst) | ("prefetch", +1 | -1) | ("scale", 2 | 0.5)
+# ("add", s) | ("add", s, s2) | ("remove", s) | ("move", src, dst) | ("prefetch", +1 | -1) | ("scale", 2 | 0.5)
+Action = tuple
 
 
 @dataclass(frozen=True)
@@ -265,8 +266,8 @@ class RLTuner:
         noise = sorted(self._noise)[len(self._noise) // 2]  # median half-difference of adjacent incumbent windows
         clear = len(ratios) >= 2 and min(ratios) > 1 + max(3 * self.min_gain, 4 * noise)  # no third pair needed
         if not failed and not clear and len(cand) < self.pairs:
-            return Decision(obs, trial["candidate"], f"compare: {trial['candidate'].short()} again ({ratios[-1] - 1:+.1%}"
-                            " in the last pair)", self.guard.predict(trial["candidate"]))
+            return Decision(obs, trial["candidate"], f"compare: {trial['candidate'].short()} again "
+                            f"({ratios[-1] - 1:+.1%} in the last pair)", self.guard.predict(trial["candidate"]))
         accepted = not failed and mean_gain > max(self.min_gain, 2 * noise)
         self._learn(trial, mean_gain, obs)
         gains = ", ".join(f"{r - 1:+.1%}" for r in ratios)

@@ -172,7 +172,8 @@ class PipelineTuner(Callback):
              config=trace.final.short() if trace.final else None, start_samples_per_s=round(first, 1),
              samples_per_s=round(final, 1), gain=round(final / first, 3) if first else None,
              kept_start=getattr(self.tuner, "kept_start", None), windows=len(trace.points), resets=trace.resets,
-             peak_memory_bytes=trace.peak_memory, budget_memory_bytes=self.budget.memory_bytes, budget_cpus=self.budget.cpus)
+             peak_memory_bytes=trace.peak_memory, budget_memory_bytes=self.budget.memory_bytes,
+             budget_cpus=self.budget.cpus)
         out = Path(self.report_dir or Path(trainer.default_root_dir) / "pipeline")
         rank = trainer.global_rank
         out.mkdir(parents=True, exist_ok=True)
