@@ -69,8 +69,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     # PipelineTuner (step: the global step of the decision)
     "pipeline_decision": ("tuner", "config", "samples_per_s", "wait_fraction", "memory_bytes", "budget_memory_bytes",
                           "next_config", "reason", "predicted_memory_bytes"),
-    "pipeline_tuned": ("tuner", "start_config", "config", "start_samples_per_s", "samples_per_s", "gain", "windows",
-                       "resets", "peak_memory_bytes", "budget_memory_bytes", "budget_cpus"),
+    "pipeline_tuned": ("tuner", "start_config", "config", "kept_start", "start_samples_per_s", "samples_per_s", "gain",
+                       "windows", "resets", "peak_memory_bytes", "budget_memory_bytes", "budget_cpus"),
     # The staged data loader dropped malformed lines (data.pipeline.on_error: skip), one event per file at the end of
     # each epoch and of fit (what the epoch's event did not cover): line and reason of the first, count of them all
     "data_skipped": ("file", "line", "reason", "count"),

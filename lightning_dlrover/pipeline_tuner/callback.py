@@ -61,7 +61,9 @@ class PipelineTuner(Callback):
         max_prefetch: deepest prefetch allowed (batches).
         window_s: seconds per measurement window (at least ``min_batches`` batches).
         min_batches: batches per measurement window, at least.
-        start: the first configuration, e.g. ``{read: 1, parse: 1, transform: 1, assemble: 1, prefetch: 2}``.
+        start: the first configuration, e.g. ``{read: 1, parse: 1, transform: 1, assemble: 1, prefetch: 2}``
+            (default: the pipeline's configuration, ``data.pipeline``). ``rl`` keeps it unless a change beats it
+            end to end; ``hill_climb`` always starts from one worker per stage.
         seed: seed of the agent's exploration.
         report_dir: where the PNG and trace go (default ``<default_root_dir>/pipeline``).
     """
@@ -81,12 +83,12 @@ class PipelineTuner(Callback):
         self.trace: Trace | None = None
         self._good: PipelineConfig | None = None  # the pipeline's configuration when the tuner last completed a step
 
-    def _make_tuner(self, budget: Budget) -> Any:
-        if self.tuner_name == "rl":
-            return RLTuner(budget, start=self.start, seed=self.seed)
+    def _make_tuner(self, budget: Budget, configured: PipelineConfig) -> Any:
+        if self.tuner_name == "rl":  # starts from (and keeps, unless a change beats it) the configured pipeline
+            return RLTuner(budget, start=self.start or configured, seed=self.seed)
         if self.tuner_name == "hill_climb":
             return HillClimbTuner(budget)
-        return FixedTuner(self.start or PipelineConfig(), "fixed")
+        return FixedTuner(self.start or configured, "fixed")
 
     @override
     @guarded
@@ -95,7 +97,7 @@ class PipelineTuner(Callback):
         self._good = loader.config
         memory = self.memory_mb << 20 if self.memory_mb else None
         self.budget = Budget.for_node(max(trainer.num_devices, 1), self.cpus, memory, self.max_prefetch)
-        self.tuner = self._make_tuner(self.budget)
+        self.tuner = self._make_tuner(self.budget, loader.config)
         self._trainer = trainer
         self.driver = TunerDriver(loader, self.tuner, self.window_s, self.min_batches, on_decision=self._emit)
         rank_zero_info(f"PipelineTuner ({self.tuner_name}): budget {self.budget.cpus} workers and "
@@ -128,11 +130,12 @@ class PipelineTuner(Callback):
     def _set_budget(self, cpus: int) -> None:
         self.budget = dataclasses.replace(self.budget, cpus=int(cpus))
         current = self.driver.loader.config
+        guard = MemoryGuard(self.budget)
+        within = current if guard.allows(current) else shrink(current, guard)  # the new budget is a hard limit
         if self.tuner_name == "fixed":
-            guard = MemoryGuard(self.budget)
-            self.tuner = FixedTuner(current if guard.allows(current) else shrink(current, guard))
+            self.tuner = FixedTuner(within)
         elif self.tuner_name == "rl":
-            self.tuner = RLTuner(self.budget, start=current, seed=self.seed)
+            self.tuner = RLTuner(self.budget, start=within, seed=self.seed)
         else:
             self.tuner = HillClimbTuner(self.budget)
         self.driver.use_tuner(self.tuner)
@@ -168,8 +171,9 @@ class PipelineTuner(Callback):
              start_config=trace.points[0].config.short() if trace.points else None,
              config=trace.final.short() if trace.final else None, start_samples_per_s=round(first, 1),
              samples_per_s=round(final, 1), gain=round(final / first, 3) if first else None,
-             windows=len(trace.points), resets=trace.resets, peak_memory_bytes=trace.peak_memory,
-             budget_memory_bytes=self.budget.memory_bytes, budget_cpus=self.budget.cpus)
+             kept_start=getattr(self.tuner, "kept_start", None), windows=len(trace.points), resets=trace.resets,
+             peak_memory_bytes=trace.peak_memory, budget_memory_bytes=self.budget.memory_bytes,
+             budget_cpus=self.budget.cpus)
         out = Path(self.report_dir or Path(trainer.default_root_dir) / "pipeline")
         rank = trainer.global_rank
         out.mkdir(parents=True, exist_ok=True)

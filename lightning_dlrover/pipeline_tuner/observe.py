@@ -62,6 +62,9 @@ class Observation:
     ``utilisation``: busy seconds of each stage per worker-second (1.0 = its workers never idle; an inline
     stage counts as one worker); ``wait_fraction``: share of the window the consumer waited for batches;
     ``cpu_cores``: cores used by this process and the workers; ``memory_bytes``: peak pipeline memory seen.
+    ``samples_per_s`` is the end-to-end rate: samples over the wall time of whole consumer steps (a training
+    step's own time included, not only its wait for data); ``consumer_s_per_sample``: the consumer's own
+    seconds per sample (the window less its waits), which rises when the pipeline takes the trainer's cores.
     """
 
     config: PipelineConfig
@@ -72,6 +75,7 @@ class Observation:
     cpu_cores: float
     memory_bytes: int
     batch_bytes: int
+    consumer_s_per_sample: float = 0.0
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -180,5 +184,6 @@ class Sampler:
         config = self.loader.config
         util = {s: (now.busy[s] - before.busy[s]) / (max(config.workers[s], 1) * seconds) for s in STAGES}
         cpu = (self._cpu() - self._cpu0) / seconds
-        return Observation(config, seconds, (now.samples - before.samples) / seconds, util,
-                           min(1.0, (now.wait_s - before.wait_s) / seconds), cpu, self._window_peak, now.batch_bytes)
+        samples, wait = now.samples - before.samples, min(now.wait_s - before.wait_s, seconds)
+        return Observation(config, seconds, samples / seconds, util, wait / seconds, cpu, self._window_peak,
+                           now.batch_bytes, (seconds - wait) / max(samples, 1))

@@ -59,7 +59,8 @@ def test_rl_reaches_the_optimum_within_budget_and_stops(cpus):
     assert model.throughput(final) >= 0.95 * oracle(model, budget)
     assert all(o.config.total_workers <= cpus for o in seen)
     first_good = next(i for i, o in enumerate(seen) if o.samples_per_s >= 0.95 * oracle(model, budget))
-    assert first_good <= 25  # windows: at 2 s each, under a minute
+    # every kept change is measured interleaved with the configuration it replaces (2-3 pairs of windows)
+    assert first_good <= 40  # windows: at 2 s each, under 80 s
 
 
 def test_memory_budget_is_a_hard_limit():
@@ -102,3 +103,50 @@ def test_grid_search_measures_every_configuration_then_keeps_the_best():
     tuner = GridSearchTuner(grid)
     final, seen = run(tuner, Model(cores=16), steps=4)
     assert [o.config for o in seen[:3]] == grid and final == grid[-1] and tuner.done
+
+
+class Contended:
+    """Few cores, the trainer the bottleneck: the consumer never waits, but every pipeline thread or process takes
+    a share of its cores (each worker +10% on the trainer's own time per sample, a prefetcher +5% a batch) and a
+    stage run inline without a prefetcher runs in the trainer's thread (a third of its cost, the vectorised part)."""
+
+    TRAIN_S = 20e-6
+
+    def seconds_per_sample(self, c):
+        inline = sum(COST[s] for s in STAGES if c.workers[s] == 0) / 3 if c.prefetch == 0 else 0.0
+        return self.TRAIN_S * (1 + 0.1 * c.total_workers + 0.05 * min(c.prefetch, 2)) + inline
+
+    def throughput(self, c):
+        return 1 / self.seconds_per_sample(c)
+
+    def observe(self, c):
+        rate = self.throughput(c)
+        util = {s: min(1.0, rate * COST[s] / max(c.workers[s], 1)) for s in STAGES}
+        return Observation(c, 2.0, rate, util, 0.0, 1.0, (c.parse + c.transform) * WORKER_BYTES, BATCH_BYTES,
+                           consumer_s_per_sample=self.seconds_per_sample(c))
+
+
+def test_rl_judges_the_end_to_end_rate_when_the_trainer_never_waits():
+    # The consumer waits 0% in every configuration: only the end-to-end rate (the trainer's own step time
+    # included) tells them apart. The agent must leave the default for the least contended configuration.
+    model, budget = Contended(), Budget(cpus=1, memory_bytes=4 << 30)
+    grid = [PipelineConfig(r, p, t, a, q) for r, p, t, a, q in itertools.product(range(2), range(2), range(2),
+            range(2), range(3))]
+    best = max(model.throughput(c) for c in grid)
+    tuner = RLTuner(budget, start=PipelineConfig(1, 1, 1, 1, 2), seed=0)
+    final, seen = run(tuner, model, steps=60)
+    assert tuner.done and not tuner.kept_start
+    assert model.throughput(final) >= 0.95 * best > 1.2 * model.throughput(PipelineConfig(1, 1, 1, 1, 2))
+    # never above the start's workers (it was above the 1-worker budget: the user's choice, not the agent's)
+    assert all(o.config.total_workers <= 4 for o in seen)
+
+
+@pytest.mark.parametrize("start", [PipelineConfig(0, 0, 0, 0, 1), PipelineConfig(0, 4, 2, 0, 2)])
+def test_a_start_nothing_beats_is_kept(start):
+    # Every change is worse (contended) or level (parse-bound at the CPU budget): the start stays, every trial is
+    # undone, and the agent stops.
+    model = Contended() if start.prefetch == 1 else Model(cores=6)
+    tuner = RLTuner(Budget(cpus=6, memory_bytes=4 << 30), start=start, seed=0)
+    final, seen = run(tuner, model, steps=40)
+    assert final == start and tuner.done and tuner.kept_start
+    assert seen[-1].config == start
