@@ -2,8 +2,8 @@
 (:mod:`lightning_dlrover.data.staged`)."""
 
 from lightning_dlrover.pipeline_tuner.agent import Decision, RLTuner
-from lightning_dlrover.pipeline_tuner.callback import PipelineTuner
 from lightning_dlrover.pipeline_tuner.baselines import FixedTuner, GridSearchTuner, HillClimbTuner, default_grid
+from lightning_dlrover.pipeline_tuner.callback import PipelineTuner
 from lightning_dlrover.pipeline_tuner.harness import Trace, TunerDriver, run_ingestion
 from lightning_dlrover.pipeline_tuner.observe import Budget, MemoryGuard, Observation
 

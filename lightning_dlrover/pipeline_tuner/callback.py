@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_dlrover.data.staged import PipelineConfig, PipelinedLoader
 from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import emit
-from lightning_dlrover.monitor.guard import guarded, is_addon_error, report_failure
+from lightning_dlrover.monitor.guard import guarded
 from lightning_dlrover.pipeline_tuner.agent import Decision, RLTuner, shrink
 from lightning_dlrover.pipeline_tuner.baselines import FixedTuner, HillClimbTuner
 from lightning_dlrover.pipeline_tuner.harness import Trace, TunerDriver
@@ -120,13 +120,9 @@ class PipelineTuner(Callback):
         self.cpus = int(cpus)
         if self.driver is None:  # not training yet (on_train_start uses self.cpus), or stepped back after a failure
             return
-        try:
-            self._set_budget(int(cpus))
-        except Exception as error:
-            if not is_addon_error(error):
-                raise
-            report_failure(self, "set_budget", error, self._trainer.global_step)
+        self._set_budget(int(cpus))
 
+    @guarded("set_budget")  # the tuner's own failure: reported and stepped back, never the caller's to handle
     def _set_budget(self, cpus: int) -> None:
         self.budget = dataclasses.replace(self.budget, cpus=int(cpus))
         current = self.driver.loader.config
