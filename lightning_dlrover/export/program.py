@@ -53,6 +53,8 @@ def export_program(serving: ServingModule, inputs: tuple[torch.Tensor, ...]) -> 
     ids = torch.export.Dim("ids", min=1, max=1 << 30)
     features = len(serving.features)
     shapes = {"dense": {0: batch}, "values": {0: ids}, "lengths": {0: features * batch}}
+    # Without it the tracer assumes a batch of more than one sample (a contiguity check guards batch != 1) and the
+    # program refuses a single request; torch's export docs name this switch for the 0/1 specialisation.
     with torch.fx.experimental._config.patch(backed_size_oblivious=True):
         program = torch.export.export(serving, inputs, dynamic_shapes=shapes, strict=False)
     foreign = sorted({str(node.target) for node in program.graph.nodes if node.op == "call_function"
