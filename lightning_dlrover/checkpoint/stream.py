@@ -1,13 +1,14 @@
 """Reading one tensor of a ``torch.distributed.checkpoint`` (DCP) checkpoint into a plain preallocated tensor, in
 one process without a process group, holding at most one block (:data:`BLOCK_BYTES`) besides the target.
 
-Why not ``dcp.load(..., no_dist=True)``: it does load a checkpoint written at any world size and sharding into plain
-tensors, but its file reader (torch 2.13, ``FileSystemReader.read_data``) ``torch.load``s each saved chunk whole and
-then copies it into the target, so a table saved in one chunk (table-wise sharding) is held twice while it loads.
-Here a chunk's bytes go from the file into the target in blocks of whole rows: the chunk is a ``torch.save`` zip
-archive (one uncompressed storage, ``<archive>/data/0``) at a known offset of a ``.distcp`` file, and DCP clones a
-view before it saves it, so the storage holds exactly the chunk's elements, contiguous. Anything else (a transformed
-or differently laid-out chunk) falls back to ``torch.load`` of that chunk.
+``dcp.load(..., no_dist=True)`` also loads a checkpoint written at any world size and sharding into plain tensors
+(and measured no second copy of a 512 MiB table either: bench/README.md, bench_export.py); this reader is kept for
+what it adds: the bound on the memory besides the target is its own (one block), not a property of ``torch.load``'s
+internals, one table is read at a time by its name, and a missing or truncated shard file is named before anything
+is read (:meth:`DCPReader.check_files`). A chunk's bytes go from the file into the target in blocks of whole rows:
+the chunk is a ``torch.save`` zip archive (one uncompressed storage, ``<archive>/data/0``) at a known offset of a
+``.distcp`` file, and DCP clones a view before it saves it, so the storage holds exactly the chunk's elements,
+contiguous. Anything else (a transformed or differently laid-out chunk) falls back to ``torch.load`` of that chunk.
 """
 
 from __future__ import annotations
