@@ -142,6 +142,14 @@ def test_bad_input_is_named_with_what_was_expected(tmp_path, dlrm_export):
     shard.unlink()
     with pytest.raises(CheckpointFileError, match=rf"{shard} is missing"):
         export_checkpoint(broken, tmp_path / "out2")
+    # a checkpoint of the other backend, a path that is not there
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(ckpt, snapshot)
+    (snapshot / "dlrover.json").write_text((ckpt / "dlrover.json").read_text().replace('"dcp"', '"torchsnapshot"'))
+    with pytest.raises(BadCheckpoint, match="written by the 'torchsnapshot' checkpoint backend; export reads 'dcp'"):
+        export_checkpoint(snapshot, tmp_path / "out4")
+    with pytest.raises(BadCheckpoint, match="does not exist; expected a strategy checkpoint directory"):
+        export_checkpoint(tmp_path / "nowhere", tmp_path / "out5")
     # another model config (export: the class named; import: the model given): the table and both shapes
     other = r"another model config: table 't_cat_3': .* has shape \[61, 8\] there, \[161, 8\] in "
     with pytest.raises(BadCheckpoint, match=other):
@@ -150,4 +158,4 @@ def test_bad_input_is_named_with_what_was_expected(tmp_path, dlrm_export):
     with pytest.raises(BadCheckpoint, match=other):
         load_plain_into(WiderDLRM(sizes, embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1]),
                         export)
-    assert not any((tmp_path / f"out{i}").exists() for i in (1, 2, 3)), "nothing written for a bad checkpoint"
+    assert not any((tmp_path / f"out{i}").exists() for i in (1, 2, 3, 4, 5)), "nothing written for a bad checkpoint"
