@@ -18,7 +18,7 @@ LAYERS = {
     "_lazy": 0, "worker_env": 0, "control_plane": 0, "log": 0, "torchrec_glue": 0, "lightning_glue": 0,
     "parity": 0, "checkpoint": 0, "data": 0, "models": 0, "monitor": 0,
     # middle: fault tolerance and the tuning add-ons
-    "fault": 1, "elastic": 1, "pipeline_tuner": 1, "advisor": 1,
+    "fault": 1, "elastic": 1, "pipeline_tuner": 1, "advisor": 1, "export": 1,
     # top: the Lightning strategy and the command lines
     "strategy": 2, "cli": 2, "_registration": 2, "__init__": 2, "__main__": 2,
 }

@@ -1,5 +1,5 @@
 """``lightning-dlrover``: ``fit`` (and the other LightningCLI subcommands) for the DLRM, ``launch``, a launcher that
-recovers lost ranks in process, ``chaos``, a node-loss drill, ``advise``, resource advice, ``simulate``, the multi-job
+recovers lost ranks in process, ``export``, a checkpoint as an unsharded model for serving, ``chaos``, a node-loss drill, ``advise``, resource advice, ``simulate``, the multi-job
 simulator, ``gen-criteo``, Criteo-format TSV test data, and ``profile``, the measurement the simulator uses.
 
 ``lightning-dlrover --help`` lists them all (:data:`COMMANDS`) without importing Lightning or TorchRec."""
@@ -30,6 +30,9 @@ COMMANDS: dict[str, Command] = {
                     "lightning-dlrover test --config configs/demo.yaml --ckpt_path last.ckpt"),
     "predict": Command(None, "predictions of a trained model (LightningCLI)",
                        "lightning-dlrover predict --config configs/demo.yaml --ckpt_path last.ckpt"),
+    "export": Command("lightning_dlrover.cli.export",
+                      "write a checkpoint as an unsharded model for serving (state dict, torch.export program)",
+                      "lightning-dlrover export --ckpt_path checkpoints/last.ckpt --out exported"),
     "launch": Command("lightning_dlrover.cli.launch",
                       "start one machine's ranks like torchrun; a lost rank is replaced while the others train on",
                       "lightning-dlrover launch --nproc-per-node 2 --spares 1 -- train.py --config my.yaml"),

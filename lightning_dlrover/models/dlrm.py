@@ -7,7 +7,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from torchmetrics.classification import BinaryAUROC
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 from torchrec.models.dlrm import DLRM
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -101,9 +101,16 @@ class DLRMModule(pl.LightningModule):
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
         self.val_auc = BinaryAUROC()
 
+    #: Dense features per sample: the input of the program ``lightning-dlrover export`` writes.
+    export_dense_features = NUM_DENSE
+
     def forward(self, batch: Batch) -> torch.Tensor:
         """Click logits, float32 [B]."""
-        return self.dlrm(batch.dense_features, batch.sparse_features).squeeze(-1)
+        return self.export_forward(batch.dense_features, batch.sparse_features)
+
+    def export_forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        """Click logits, float32 [B], of plain inputs (what the exported serving program runs)."""
+        return self.dlrm(dense_features, sparse_features).squeeze(-1)
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         loss = self.loss_fn(self(batch), batch.labels)

@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_dlrover import control_plane
 from lightning_dlrover import lightning_glue as glue
 from lightning_dlrover.checkpoint import directory, get_backend, job
+from lightning_dlrover.checkpoint.plain import export_directory, load_plain_into
 from lightning_dlrover.fault import FaultInjector, FaultManager, ParityConfig
 from lightning_dlrover.log import get_logger, quiet_known_warnings
 from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
@@ -70,6 +71,9 @@ class DLRoverStrategy(DDPStrategy):
         parity: erasure-code the embedding shards and their optimizer state across ranks (``None``: off).
         print_digest: at the end of ``fit``, print ``state digest: <sha256>`` of the whole training state
             on rank 0 (a collective over all shards; costs one pass over the state).
+        init_from: an export directory (``lightning-dlrover export --out DIR``: its ``model.pt``, the unsharded
+            state dict) the first ``fit`` starts from: the model is sharded, then every rank copies in its own shards'
+            rows; optimizer and trainer state start fresh (step 0). A checkpoint to resume from (``ckpt_path``) wins.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in :class:`~lightning.pytorch.strategies.DDPStrategy`.
             ``timeout`` also bounds how long a survivor waits on a dead peer before it gives up and spills.
@@ -85,6 +89,7 @@ class DLRoverStrategy(DDPStrategy):
         checkpoint_backend: Literal["dcp", "torchsnapshot"] = "dcp",
         parity: ParityConfig | None = None,
         print_digest: bool = True,
+        init_from: str | Path | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -110,6 +115,7 @@ class DLRoverStrategy(DDPStrategy):
         check_options(sharding_types, compute_kernel, self.constraints, parity=parity is not None)
         self.checkpoint_backend = get_backend(checkpoint_backend)
         self.print_digest = print_digest
+        self.init_from = export_directory(init_from) if init_from is not None else None
         self.parity = ParityConfig(**parity) if isinstance(parity, dict) else parity
         self.step_timer = StepTimer()
         self.fault = FaultManager(self.parity, self.step_timer)
@@ -180,6 +186,9 @@ class DLRoverStrategy(DDPStrategy):
             self._check_elastic_range(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model = self._dmp if self._dmp is not None else self._shard(self.lightning_module)
+        if trainer.state.fn == TrainerFn.FITTING and not self._started and self.init_from is not None:
+            load_plain_into(self.lightning_module, self.init_from)  # before parity encodes the tables
+            rank_zero_info(f"DLRoverStrategy: initialised the model from {self.init_from} (fresh optimizer state)")
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             for injector in FaultInjector.all_from_env():  # LIGHTNING_DLROVER_FAULT=rank=R,step=S,phase=P[;...]
@@ -318,7 +327,8 @@ class DLRoverStrategy(DDPStrategy):
         job.save(
             checkpoint, Path(self.broadcast(str(filepath))), self.checkpoint_backend, self.fused_optimizer,
             world_size=self.world_size, is_global_zero=self.is_global_zero, barrier=self.barrier,
-            extra_meta=lambda: {"dlrover_rank_states": self.fault.gather_rank_states()},
+            extra_meta=lambda: {"dlrover_rank_states": self.fault.gather_rank_states(),
+                                "dlrover_module_class": _class_path(self.lightning_module)},
         )  # fmt: skip
 
     @override
@@ -371,3 +381,8 @@ class DLRoverStrategy(DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+def _class_path(module: pl.LightningModule) -> str:
+    """``package.module.Class`` of ``module`` (``meta.pt`` keeps it: ``lightning-dlrover export`` builds the module)."""
+    return f"{type(module).__module__}.{type(module).__qualname__}"

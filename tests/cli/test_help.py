@@ -10,7 +10,7 @@ from pathlib import Path
 from tests.conftest import REPO
 
 CONSOLE_SCRIPT = str(Path(sys.executable).parent / "lightning-dlrover")
-SUBCOMMANDS = ["fit", "validate", "test", "predict", "launch", "chaos", "advise", "simulate", "gen-criteo", "profile"]
+SUBCOMMANDS = ["fit", "validate", "test", "predict", "export", "launch", "chaos", "advise", "simulate", "gen-criteo", "profile"]
 LIGHTNING = {"fit", "validate", "test", "predict"}
 
 
@@ -52,7 +52,7 @@ def test_help_lists_every_subcommand_with_an_example_whose_options_exist_and_war
 def test_an_unknown_subcommand_is_named_with_the_known_ones():
     out = lightning_dlrover("chaos-report")
     assert out.returncode == 2 and out.stdout == ""
-    assert "unknown command 'chaos-report'; choose one of fit, validate, test, predict, launch, chaos" in out.stderr
+    assert "unknown command 'chaos-report'; choose one of fit, validate, test, predict, export, launch, chaos" in out.stderr
 
 
 def test_help_imports_neither_torch_nor_lightning_nor_torchrec():

@@ -1,0 +1,161 @@
+"""Export of a strategy checkpoint for serving, and import of the export into a fit: real multi-process fits (gloo,
+CPU), the artefact loaded in fresh processes that cannot import this package (and, for the ``torch.export``
+program, neither TorchRec nor FBGEMM), predictions compared bit for bit with the sharded model's."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run
+
+pytestmark = pytest.mark.slow
+
+JOB = REPO / "tests" / "scripts" / "export_job.py"
+
+#: The server: torch only (importing this package, TorchRec or FBGEMM fails), the program on each rank's samples,
+#: with the rank's intra-op thread count (a GEMM's float sums depend on how its reduction is split over threads).
+SERVE = """
+import sys, torch
+for name in ("lightning_dlrover", "torchrec", "fbgemm_gpu"):
+    sys.modules[name] = None
+program = torch.export.load(sys.argv[1] + "/model.pt2").module()
+for path in sys.argv[2:]:
+    s = torch.load(path, weights_only=True)
+    torch.set_num_threads(int(s["threads"]))
+    with torch.inference_mode():
+        out = program(s["dense"], s["values"], s["lengths"])
+    print(path, "equal" if torch.equal(out, s["logits"]) else f"DIFFERS {(out - s['logits']).abs().max().item()}")
+"""
+
+#: A TorchRec user's path: the unsharded DLRM rebuilt from config.json, model.pt loaded into it (no lightning_dlrover).
+STATE_DICT_DLRM = """
+import json, sys, torch
+sys.modules["lightning_dlrover"] = None
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.models.dlrm import DLRM
+config = json.load(open(sys.argv[1] + "/config.json"))
+hp = config["hparams"]
+tables = [EmbeddingBagConfig(name=name, embedding_dim=t["dim"], num_embeddings=t["rows"], feature_names=t["features"])
+          for name, t in config["tables"].items()]
+model = DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+             dense_in_features=13, dense_arch_layer_sizes=hp["dense_arch_layer_sizes"],
+             over_arch_layer_sizes=hp["over_arch_layer_sizes"])
+state = torch.load(sys.argv[1] + "/model.pt", weights_only=True)
+model.load_state_dict({k.removeprefix("dlrm."): v for k, v in state.items()}, assign=True)
+model.eval()
+features = [f for t in config["tables"].values() for f in t["features"]]
+for path in sys.argv[2:]:
+    s = torch.load(path, weights_only=True)
+    torch.set_num_threads(int(s["threads"]))
+    with torch.inference_mode():
+        out = model(s["dense"], KeyedJaggedTensor(keys=features, values=s["values"], lengths=s["lengths"])).squeeze(-1)
+    print(path, "equal" if torch.equal(out, s["logits"]) else f"DIFFERS {(out - s['logits']).abs().max().item()}")
+"""
+
+
+def plain_python(code: str, *args: Path, cwd: Path) -> str:
+    """Runs ``code`` in a fresh interpreter without this repository on ``PYTHONPATH``; returns its output."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def job(tmp: Path, *args: str) -> Path:
+    """Runs tests/scripts/export_job.py; returns its predictions directory."""
+    preds = tmp / "preds"
+    run([str(JOB), "--preds", str(preds), *args], tmp, timeout=240)
+    return preds
+
+
+def assert_all_equal(output: str, ranks: int) -> None:
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == ranks and all(line.endswith(" equal") for line in lines), output
+
+
+@pytest.fixture(scope="module")
+def dlrm_export(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(checkpoint, predictions, export) of our DLRM fitted at 2 ranks, table-wise, exported by the command line."""
+    tmp = tmp_path_factory.mktemp("dlrm")
+    preds = job(tmp, "--devices", "2", "--model", "dlrm", "--sharding-types", "table_wise", "--ckpt", str(tmp / "ckpt"))
+    out = run(["-m", "lightning_dlrover", "export", "--ckpt_path", tmp / "ckpt", "--out", tmp / "export"], tmp)
+    assert "exported" in out.stdout
+    return tmp / "ckpt", preds, tmp / "export"
+
+
+def test_dlrm_of_2_ranks_exports_to_a_program_and_a_state_dict_that_predict_as_the_sharded_model(dlrm_export):
+    ckpt, preds, export = dlrm_export
+    assert sorted(p.name for p in export.iterdir()) == ["config.json", "model.pt", "model.pt2"]
+    ranks = sorted(preds.glob("rank*.pt"))
+    assert_all_equal(plain_python(SERVE, export, *ranks, cwd=export.parent), 2)
+    assert_all_equal(plain_python(STATE_DICT_DLRM, export, *ranks, cwd=export.parent), 2)
+
+
+def test_own_model_of_3_ranks_with_a_shared_table_exports_and_predicts_as_the_sharded_model(tmp_path):
+    """An EmbeddingCollection whose table serves two features, column-wise at 3 ranks; exported by the function."""
+    from lightning_dlrover.export import export_checkpoint
+
+    preds = job(tmp_path, "--devices", "3", "--model", "shared", "--sharding-types", "column_wise",
+                "--ckpt", str(tmp_path / "ckpt"))
+    export = export_checkpoint(tmp_path / "ckpt", tmp_path / "export")
+    assert_all_equal(plain_python(SERVE, export, *sorted(preds.glob("rank*.pt")), cwd=tmp_path), 3)
+
+
+def test_import_shards_an_export_of_2_ranks_onto_3_ranks_and_predicts_as_the_exported_model(tmp_path, dlrm_export):
+    """``DLRoverStrategy(init_from=export)`` at 3 ranks, column-wise (the export came from 2 ranks, table-wise): the
+    first forward's predictions are the exported program's."""
+    _, _, export = dlrm_export
+    preds = job(tmp_path, "--devices", "3", "--model", "dlrm", "--sharding-types", "column_wise", "--steps", "0",
+                "--init-from", str(export))
+    assert_all_equal(plain_python(SERVE, export, *sorted(preds.glob("rank*.pt")), cwd=tmp_path), 3)
+
+
+def test_bad_input_is_named_with_what_was_expected(tmp_path, dlrm_export):
+    from lightning_dlrover.checkpoint.plain import load_plain_into
+    from lightning_dlrover.export import BadCheckpoint, CheckpointFileError, export_checkpoint
+    from lightning_dlrover.strategy import DLRoverStrategy
+    from tests.scripts.export_models import WiderDLRM
+
+    ckpt, _, export = dlrm_export
+    # the command line, given a file inside the checkpoint: one line, exit status 2, no traceback
+    proc = run(["-m", "lightning_dlrover", "export", "--ckpt_path", ckpt / "dlrover.json", "--out", tmp_path / "x"],
+               tmp_path, check=False)
+    assert proc.returncode == 2, proc.stdout
+    assert f"is a file inside the strategy checkpoint {ckpt}: pass the directory {ckpt}" in proc.stdout
+    assert "Traceback" not in proc.stdout
+    with pytest.raises(BadCheckpoint, match="inside the export .*: pass the directory"):
+        DLRoverStrategy(init_from=export / "config.json")
+    # a truncated shard file, a missing one: named
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    shard = broken / "sharded" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(CheckpointFileError, match=rf"{shard} is truncated: 1000 bytes"):
+        export_checkpoint(broken, tmp_path / "out1")
+    shard.unlink()
+    with pytest.raises(CheckpointFileError, match=rf"{shard} is missing"):
+        export_checkpoint(broken, tmp_path / "out2")
+    # a checkpoint of the other backend, a path that is not there
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(ckpt, snapshot)
+    (snapshot / "dlrover.json").write_text((ckpt / "dlrover.json").read_text().replace('"dcp"', '"torchsnapshot"'))
+    with pytest.raises(BadCheckpoint, match="written by the 'torchsnapshot' checkpoint backend; export reads 'dcp'"):
+        export_checkpoint(snapshot, tmp_path / "out4")
+    with pytest.raises(BadCheckpoint, match="does not exist; expected a strategy checkpoint directory"):
+        export_checkpoint(tmp_path / "nowhere", tmp_path / "out5")
+    # another model config (export: the class named; import: the model given): the table and both shapes
+    other = r"another model config: table 't_cat_3': .* has shape \[61, 8\] there, \[161, 8\] in "
+    with pytest.raises(BadCheckpoint, match=other):
+        export_checkpoint(ckpt, tmp_path / "out3", module_class="tests.scripts.export_models.WiderDLRM")
+    sizes = [40 + 7 * i for i in range(26)]
+    with pytest.raises(BadCheckpoint, match=other):
+        load_plain_into(WiderDLRM(sizes, embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1]),
+                        export)
+    assert not any((tmp_path / f"out{i}").exists() for i in (1, 2, 3, 4, 5)), "nothing written for a bad checkpoint"
