@@ -7,7 +7,7 @@ from lightning.pytorch import Callback
 
 from lightning_dlrover.advisor import control
 from lightning_dlrover.advisor.history import JobHistory, resolve_url
-from lightning_dlrover.advisor.model import JobShape, Observation, PerformanceModel
+from lightning_dlrover.advisor.model import JobShape, PerformanceModel
 from lightning_dlrover.advisor.recommend import recommend
 from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
 from lightning_dlrover.advisor.signature import JobSignature, TableSpec

@@ -1,7 +1,6 @@
 """Batch policies, LR rules and learning-rate changes on dense and TorchRec fused optimizers."""
 
 import math
-import os
 
 import pytest
 import torch
