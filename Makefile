@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py lightning_dlrover/parity/_gf256.c
 	$(PIP) install --quiet torch==2.13.0 fbgemm-gpu-cpu==1.8.0
 	$(PIP) install --quiet --no-deps torchrec==1.8.0
 	$(PIP) install --quiet tensordict torchmetrics==1.0.3 tqdm pyre-extensions iopath
-	$(PIP) install --quiet --no-build-isolation -e ".[test]"
+	$(PIP) install --quiet --no-build-isolation -e ".[test,parquet]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -122,6 +122,10 @@ KNOWN_WARNINGS: list[tuple[str, str, str]] = [
      "Lightning's own pytree copy, on every batch it measures"),
     (r"Starting from v1\.9\.0, `tensorboardX` has been removed", r"lightning\.pytorch\.",
      "Lightning's default logger is a CSVLogger without TensorBoard installed: what the demo wants"),
+    (r"Couldn't infer the batch indices fetched from your dataloader: `EvalLoader`", r"lightning\.pytorch\.",
+     "EvalLoader's batches carry each sample's index themselves (Lightning records indices only for a DataLoader)"),
+    (r"Using a non-tuple sequence for multidimensional indexing", r"torchmetrics\.utilities\.distributed$",
+     "torchmetrics' own gather of uneven per-rank states (the test AUC's), on torch 2.13"),
 ]
 #: Third-party log lines (not warnings) silenced alike: ``(logger name, message prefix, why)``.
 KNOWN_LOG_LINES: list[tuple[str, str, str]] = [

@@ -41,14 +41,33 @@ def publish(staging: Path, path: Path) -> None:
     staging.rename(path)
 
 
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a complete checkpoint directory (``meta.pt`` and ``dlrover.json`` inside)."""
+    return (path / META_FILE).is_file() and (path / INFO_FILE).is_file()
+
+
+def check_path(path: Path) -> Path:
+    """``path`` when it is a checkpoint directory; otherwise raises ``FileNotFoundError`` with one line saying what
+    ``path`` is (missing, a file inside a checkpoint, another file or directory) and what was expected."""
+    if is_checkpoint(path):
+        return path
+    expected = (f"a DLRoverStrategy checkpoint is a directory holding {META_FILE}, {INFO_FILE} and {SHARDED_DIR}/, "
+                "written by ModelCheckpoint or Trainer.save_checkpoint (e.g. .../checkpoints/last.ckpt)")
+    inside = next((parent for parent in path.parents if is_checkpoint(parent)), None)
+    if inside is not None:
+        raise FileNotFoundError(
+            f"{path} is inside the checkpoint {inside}: pass the checkpoint directory itself ({inside}); {expected}."
+        )
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path} (no such file or directory); {expected}.")
+    what = "a directory" if path.is_dir() else "a file"
+    raise FileNotFoundError(f"{path} is {what} but not a DLRoverStrategy checkpoint (no {META_FILE} and {INFO_FILE} "
+                            f"inside); {expected}.")
+
+
 def read_info(path: Path) -> dict[str, Any]:
     """``dlrover.json`` of a checkpoint; raises ``FileNotFoundError`` naming the problem when it is not one."""
-    if not (path / META_FILE).is_file() or not (path / INFO_FILE).is_file():
-        raise FileNotFoundError(
-            f"{path} is not a DLRoverStrategy checkpoint (no {META_FILE} and {INFO_FILE} inside); checkpoints of this "
-            "strategy are directories written by Trainer.save_checkpoint or ModelCheckpoint."
-        )
-    return json.loads((path / INFO_FILE).read_text())
+    return json.loads((check_path(path) / INFO_FILE).read_text())
 
 
 def read_meta(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -69,7 +88,7 @@ def latest_checkpoint(directory: Path | None, at_most: int | None = None) -> Pat
         return None
     found = []
     for info in directory.glob(f"*/{INFO_FILE}"):
-        if info.parent.name.endswith(".partial") or not (info.parent / META_FILE).is_file():
+        if info.parent.name.endswith(".partial") or not is_checkpoint(info.parent):
             continue
         step = int(json.loads(info.read_text())["global_step"])
         if at_most is None or step <= at_most:

@@ -78,10 +78,14 @@ def load(
         )
     meta = directory.read_meta(path, weights_only)
     sharded = {"model": module.state_dict(), "fused_optimizer": fused_optimizer_state(fused_optimizer)}
+    # stateless table optimizers (SGD): the save wrote no entry for an empty dict, so none is asked for
+    sharded["fused_optimizer"] = {k: v for k, v in sharded["fused_optimizer"].items() if v}
+    if not sharded["fused_optimizer"]:
+        del sharded["fused_optimizer"]
     backend.load(sharded, path / directory.SHARDED_DIR)
     module.load_state_dict(sharded["model"], strict=strict)
-    loaded = sharded["fused_optimizer"]
-    fused_optimizer.load_state_dict({"state": {k: loaded[k] for k in fused_optimizer.state_dict()["state"]}})
+    loaded = sharded.get("fused_optimizer", {})
+    fused_optimizer.load_state_dict({"state": {k: loaded.get(k, v) for k, v in fused_optimizer.state_dict()["state"].items()}})
     return meta
 
 

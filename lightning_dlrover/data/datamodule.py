@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_dlrover.data.eval_loader import EvalLoader
 from lightning_dlrover.data.loader import ResumableLoader
 from lightning_dlrover.data.sources import NUM_SPARSE, CriteoTSV, SampleSource, SyntheticCriteo
 
@@ -15,17 +16,23 @@ class DLRMDataModule(pl.LightningDataModule):
     """Criteo-format click data for :class:`~lightning_dlrover.models.DLRMModule`.
 
     Synthetic by default; set ``criteo_paths`` (and optionally ``val_criteo_paths``) to train on real
-    Criteo Kaggle/Terabyte TSV files.
+    Criteo Kaggle/Terabyte TSV files, and ``test_criteo_paths`` to test on a held-out day. ``test`` and ``predict``
+    read every sample of their set exactly once, at any world size (:class:`~lightning_dlrover.data.EvalLoader`).
 
     Args:
         num_embeddings_per_feature: table size of each of the 26 categorical features (must match the model).
         global_batch_size: samples per step summed over all ranks; must be divisible by the world size.
         train_batches: global batches per training epoch (synthetic data).
         val_batches: global batches per validation run (synthetic data); 0 disables validation.
-        seed: seed of the synthetic stream (validation: samples of ``seed + 1`` labelled by the same function).
+        test_batches: global batches of the test set (synthetic data), also the samples ``predict`` reads by default.
+        seed: seed of the synthetic stream (validation: samples of ``seed + 1``, test: of ``seed + 2``, labelled by
+            the same function).
         alpha: power-law exponent of synthetic ids.
         criteo_paths: Criteo TSV files for training.
         val_criteo_paths: Criteo TSV files for validation.
+        test_criteo_paths: Criteo TSV files for ``test`` (e.g. the day after the training days), also what
+            ``predict`` reads unless ``predict_criteo_paths`` is set.
+        predict_criteo_paths: Criteo TSV files for ``predict`` (one prediction per line, in file order).
         pipeline: train on ``criteo_paths`` through the staged parallel pipeline
             (:class:`~lightning_dlrover.data.staged.PipelinedLoader`): workers per stage and prefetch depth
             (``read``, ``parse``, ``transform``, ``assemble``, ``prefetch``), and optionally ``chunk_rows`` and
@@ -42,6 +49,9 @@ class DLRMDataModule(pl.LightningDataModule):
         alpha: float = 1.5,
         criteo_paths: list[str] | None = None,
         val_criteo_paths: list[str] | None = None,
+        test_batches: int = 10,
+        test_criteo_paths: list[str] | None = None,
+        predict_criteo_paths: list[str] | None = None,
         pipeline: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -52,22 +62,27 @@ class DLRMDataModule(pl.LightningDataModule):
             )
         if global_batch_size < 1:
             raise ValueError(f"data.global_batch_size={global_batch_size} must be positive.")
+        if test_batches < 0:
+            raise ValueError(f"data.test_batches={test_batches} must be >= 0.")
         if pipeline is not None and not criteo_paths:
             raise ValueError("data.pipeline reads TSV files: set data.criteo_paths too (or remove data.pipeline).")
         self.save_hyperparameters()
         self._train_loader: ResumableLoader | None = None
 
-    def _source(self, train: bool) -> SampleSource:
+    def _source(self, train: bool, split: str | None = None) -> SampleSource:
         hp = self.hparams
-        paths = hp.criteo_paths if train else hp.val_criteo_paths
+        split = split or ("train" if train else "val")
+        paths = {"train": hp.criteo_paths, "val": hp.val_criteo_paths, "test": hp.test_criteo_paths,
+                 "predict": hp.predict_criteo_paths or hp.test_criteo_paths}[split]
         if paths:
             return CriteoTSV(paths, hp.num_embeddings_per_feature)
+        batches = {"train": hp.train_batches, "val": hp.val_batches}.get(split, hp.test_batches)
         return SyntheticCriteo(
             hp.num_embeddings_per_feature,
-            hp.global_batch_size * (hp.train_batches if train else hp.val_batches),
-            seed=hp.seed if train else hp.seed + 1,
+            hp.global_batch_size * batches,
+            seed=hp.seed + {"train": 0, "val": 1}.get(split, 2),
             alpha=hp.alpha,
-            label_seed=hp.seed,  # validation: other samples, the same labelling function
+            label_seed=hp.seed,  # validation and test: other samples, the same labelling function
         )
 
     def _loader(self, train: bool) -> ResumableLoader:
@@ -97,3 +112,23 @@ class DLRMDataModule(pl.LightningDataModule):
         if not self.hparams.val_criteo_paths and self.hparams.val_batches == 0:
             return []
         return self._loader(train=False)
+
+    def _eval_loader(self, split: str) -> EvalLoader:
+        trainer = self.trainer
+        rank, world_size = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        source = self._source(False, split)
+        if len(source) == 0:
+            raise ValueError(
+                f"`{split}` has no samples: set data.test_criteo_paths (a held-out TSV day file"
+                f"{', or data.predict_criteo_paths' if split == 'predict' else ''}) or data.test_batches > 0 "
+                "(synthetic data)."
+            )
+        return EvalLoader(source, rank, world_size, self.hparams.global_batch_size)
+
+    def test_dataloader(self) -> EvalLoader:
+        """The rank's slice of the test set: ``test_criteo_paths``, else ``test_batches`` synthetic global batches."""
+        return self._eval_loader("test")
+
+    def predict_dataloader(self) -> EvalLoader:
+        """The rank's slice of the samples to predict: ``predict_criteo_paths``, else the test set."""
+        return self._eval_loader("predict")

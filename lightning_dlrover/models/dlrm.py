@@ -1,4 +1,5 @@
-"""DLRM as a LightningModule: TorchRec's DLRM, BCE loss, AUC, a fused embedding optimizer and a dense one."""
+"""DLRM as a LightningModule: TorchRec's DLRM, BCE loss, AUC, a fused embedding optimizer and a dense one; test metrics
+(:mod:`.metrics`) and click probabilities from ``predict``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from lightning_dlrover.data.eval_loader import IndexedBatch
 from lightning_dlrover.data.sources import NUM_DENSE, SPARSE_NAMES
+from lightning_dlrover.models.metrics import ctr_metrics
 
 EMBEDDING_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "row_wise_adagrad": RowWiseAdagrad,
@@ -36,7 +39,10 @@ def table_name(feature: str) -> str:
 
 class DLRMModule(pl.LightningModule):
     """DLRM (bottom MLP, one embedding bag per categorical feature, pairwise dot interaction, top MLP)
-    trained with binary cross-entropy and evaluated by AUC.
+    trained with binary cross-entropy and evaluated by AUC; ``test`` reports log loss, AUC, calibration and
+    normalized entropy over the whole test set (``test/loss``, ``test/auc``, ``test/calibration``, ``test/ne``), and
+    ``predict`` returns ``{"index", "probability", "label"}`` per batch (see
+    :class:`~lightning_dlrover.models.PredictionWriter`).
 
     Embedding tables are created on the meta device and materialised, already sharded, by
     :class:`~lightning_dlrover.DLRoverStrategy`; they are updated inside the backward pass by a fused
@@ -100,6 +106,7 @@ class DLRMModule(pl.LightningModule):
         )
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
         self.val_auc = BinaryAUROC()
+        self.test_metrics = ctr_metrics("test/")
 
     #: Dense features per sample: the input of the program ``lightning-dlrover export`` writes.
     export_dense_features = NUM_DENSE
@@ -125,6 +132,22 @@ class DLRMModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         self.log("val/auc", self.val_auc.compute(), prog_bar=True, sync_dist=True)
         self.val_auc.reset()
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        logits, labels = self(batch), batch.labels
+        if isinstance(batch, IndexedBatch):  # padding rows of the last batches are no samples
+            logits, labels = logits[batch.valid], labels[batch.valid]
+        self.test_metrics.update(logits, labels)
+        self.log_dict(self.test_metrics, on_step=False, on_epoch=True)
+
+    def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        """``index`` (int64, the sample's position in the input; only with an :class:`IndexedBatch`), ``probability``
+        (float32, of a click) and ``label`` of each sample of the batch, padding left out."""
+        probability = torch.sigmoid(self(batch))
+        if not isinstance(batch, IndexedBatch):
+            return {"probability": probability, "label": batch.labels}
+        valid = batch.valid
+        return {"index": batch.index[valid], "probability": probability[valid], "label": batch.labels[valid]}
 
     def configure_optimizers(self) -> Any:
         """The dense optimizer over every parameter that has no fused in-backward optimizer."""
