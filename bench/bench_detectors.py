@@ -16,6 +16,11 @@ the events are the structured ones (``dlrover_events.jsonl``).
 
     PYTHONPATH=. python bench/bench_detectors.py                 # 10 clean + 5 idle + 5 cpu runs
     PYTHONPATH=. python bench/bench_detectors.py --quick         # 2 + 1 + 1
+    PYTHONPATH=. python bench/bench_detectors.py --record windows.jsonl   # and keep every window the detector judged
+
+``--record`` appends, per check of every run, the windows of all ranks the detector was given (``RankWindow`` fields,
+per-step own times included): a rule can be replayed on them offline, and ``tests/advisor/straggler_windows.json``
+holds some of them for the rule's tests.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ def run(kind: str, args: argparse.Namespace, root: Path) -> dict:
            "--check-every", str(args.check_every)]
     if args.patience:
         cmd += ["--straggler-patience", str(args.patience)]
+    if args.record:
+        cmd += ["--record-windows", str(root / "windows.jsonl")]
     if kind == "idle":
         cmd += ["--slow-rank", "1", "--slow-from", str(args.slow_from), "--slow-ms", str(args.idle_ms), "--slow-idle"]
     elif kind == "cpu":
@@ -64,6 +71,10 @@ def run(kind: str, args: argparse.Namespace, root: Path) -> dict:
     comm = [e for e in events if e["kind"] == "straggler" and e["straggler_rank"] == -1]
     named = [e for e in events if e["kind"] == "straggler" and e["straggler_rank"] >= 0]
     final = re.search(r"FINAL_STEP (\d+)", proc.stdout)
+    if args.record and (root / "windows.jsonl").is_file():
+        with open(args.record, "a") as f:
+            for line in (root / "windows.jsonl").read_text().splitlines():
+                f.write(json.dumps({"run": root.name, "kind": kind, "windows": json.loads(line)}) + "\n")
     row = {"kind": kind, "ok": proc.returncode == 0 and final is not None, "wall_s": wall,
            "named": [(e["step"], e["straggler_rank"], e["cause"], round(e["ratio"], 1), round(e["excess_ms"]))
                      for e in named], "comm": len(comm)}
@@ -97,6 +108,8 @@ def main() -> None:
     p.add_argument("--cpu-ms", type=float, default=100.0)
     p.add_argument("--patience", type=int, default=None, help="ResourceAdvisor(straggler_patience=...)")
     p.add_argument("--quick", action="store_true", help="2 clean, 1 idle, 1 cpu run")
+    p.add_argument("--record", default=None, help="append every window the detector judged to this JSONL file "
+                   "(one line per check: run, kind, windows) for replaying rules offline")
     args = p.parse_args()
     if args.quick:
         args.clean, args.idle, args.cpu = 2, 1, 1

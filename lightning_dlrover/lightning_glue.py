@@ -11,6 +11,10 @@
   ``DistributedModelParallel``.
 - :func:`rerun_fit_loop` / :func:`load_trainer_state`: in-process recovery restores the trainer's state in the
   middle of ``fit`` through the same connector and runs the fit loop again.
+- :func:`check_before_launch`: no hook runs in the launching process before Lightning's launcher starts the other
+  ranks (``Callback.setup`` and the strategy's ``setup_environment`` run in every rank after it); the strategy's
+  launcher object gets a ``launch`` that runs a check first (the launcher keeps its class: Lightning tells its kinds
+  apart by ``isinstance``, e.g. to kill the ranks it started on Ctrl+C).
 - :func:`recount_epoch`: Lightning counts an epoch's batches once, at set-up, in the fit loop's private data
   fetcher and combined loader; ``ElasticBatchScaler`` recounts them after a batch-size change.
 
@@ -138,6 +142,24 @@ def recount_epoch(trainer: pl.Trainer, batches_left: Callable[[], int]) -> None:
     loop.max_batches = float("inf")  # the epoch ends on the fetcher's last batch
     if trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch is not None:
         trainer.val_check_batch = float("inf")  # validation stays at the epoch's end
+
+
+def check_before_launch(launcher: Any, check: Callable[[pl.Trainer], None]) -> Any:
+    """Makes ``launcher`` (a strategy's ``launcher``; ``None`` passes through) call ``check(trainer)`` before it
+    starts any process or runs the trainer's function; an exception from ``check`` propagates from ``fit``. Done once
+    per launcher; returns it."""
+    if launcher is None or getattr(launcher, "_dlrover_checked", False):
+        return launcher
+    original = launcher.launch
+
+    def launch(function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            check(trainer)
+        return original(function, *args, trainer=trainer, **kwargs)
+
+    launcher.launch = launch
+    launcher._dlrover_checked = True
+    return launcher
 
 
 def reset_inner_ddp(model: nn.Module) -> None:

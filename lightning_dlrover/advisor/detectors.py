@@ -9,8 +9,9 @@ stragglers are told apart by what each rank did with the step. Every rank times 
 the completion, :mod:`~lightning_dlrover.monitor.collectives`): the rest of its step is its **own** time (data
 wait, compute, and idling of its own: a sleep, I/O, a lock). The ranks that wait for a slow rank spend its
 lateness in collectives; the slow rank does not. The straggler is the rank whose own time is far above the
-others'; its cause is the largest excess: **data wait**, **compute** (its main thread running or runnable) or
-**idle** (blocked outside collectives). When even the least-waiting rank spends ``comm_share`` of the step in
+others' (in its median over the window, and beyond the window's step-to-step noise: its faster steps slower than
+their slower ones, see :func:`clear_of_noise`); its cause is the largest excess: **data wait**, **compute** (its
+main thread running or runnable) or **idle** (blocked outside collectives). When even the least-waiting rank spends ``comm_share`` of the step in
 collectives, the job is **communication**-bound (reported for the job, not for one rank; the advice depends on
 whether the ranks share one machine). Without collective timings (``collective_s`` of ``None``) own time is the
 main thread's busy time and the data wait: a rank idling inside its step then looks like one waiting for a peer, and
@@ -65,6 +66,7 @@ class RankWindow:
         idle_s: seconds per step blocked outside collectives and the data wait (sleep, I/O, locks).
         pid: the rank's process id (0: unknown).
         children: ``(pid, bytes)`` resident memory of each descendant process at the window's end.
+        own_steps: seconds outside collectives of each step, in step order (empty: collectives not timed).
     """
 
     rank: int
@@ -81,6 +83,7 @@ class RankWindow:
     idle_s: float = 0.0
     pid: int = 0
     children: tuple[tuple[int, float], ...] = ()
+    own_steps: tuple[float, ...] = ()
 
     @classmethod
     def from_steps(cls, rank: int, node: int, steps: Sequence[StepSample], pid: int = 0,
@@ -91,13 +94,14 @@ class RankWindow:
         med = statistics.median
         timed = all(s.collective_s is not None for s in steps)
         coll = [s.collective_s or 0.0 for s in steps]
+        own = tuple(max(0.0, s.step_s - c) for s, c in zip(steps, coll))
         return cls(rank, node, steps[0].step, steps[-1].step, step_s=med(s.step_s for s in steps),
                    data_s=med(s.data_s for s in steps), busy_s=med(s.busy_s for s in steps),
                    rss=tuple((s.step, s.rss) for s in steps), data_busy_s=med(s.data_busy_s for s in steps),
                    collective_s=med(coll) if timed else None,
-                   own_wall_s=med(max(0.0, s.step_s - c) for s, c in zip(steps, coll)),
+                   own_wall_s=med(own),
                    idle_s=med(max(0.0, s.step_s - s.data_s - s.busy_s - c) for s, c in zip(steps, coll)), pid=pid,
-                   children=tuple(children))
+                   children=tuple(children), own_steps=own if timed else ())
 
     @property
     def own_s(self) -> float:
@@ -139,7 +143,11 @@ class Straggler:
 class StragglerDetector:
     """Names a rank whose own time per step is at least ``threshold`` x the median rank's, at least
     ``min_excess_s`` and ``min_share`` of the step more, in ``patience`` consecutive windows (so within
-    ``patience`` windows of it turning slow, and never on one stretched step: windows hold medians).
+    ``patience`` windows of it turning slow, and never on one stretched step: windows hold medians), the last of
+    them clear of the noise: its faster steps (the lower quartile of its own time per step) slower than the others'
+    slower steps (their upper quartile) in the same window. On a loaded machine a rank's own time jumps by tens of
+    percent from step to step (waits for a CPU); a rank whose median is only pushed up by a few such steps is not
+    named, one that is slow in every step is.
 
     Raises:
         ValueError: ``threshold <= 1``, ``patience < 1``, ``min_excess_s < 0`` or ``min_share`` outside [0, 1).
@@ -181,7 +189,7 @@ class StragglerDetector:
             cause, ratio, excess = verdict
             count, since, _ = self._streak.get(w.rank, (0, w.first_step, cause))
             self._streak[w.rank] = (count + 1, since, cause)
-            if count + 1 >= self.patience and w.rank not in self.named:
+            if count + 1 >= self.patience and w.rank not in self.named and clear_of_noise(w, ref[w.rank]):
                 s = Straggler(w.rank, cause, ratio, 1000 * excess, since, w.last_step)
                 self.named[w.rank] = s
                 found.append(s)
@@ -226,6 +234,15 @@ class StragglerDetector:
             self.communication_s = waited
             return waited
         return None
+
+
+def clear_of_noise(window: RankWindow, others: Sequence[RankWindow]) -> bool:
+    """Whether ``window``'s rank is slower than ``others`` beyond their step-to-step noise: the lower quartile of its
+    own time per step above the upper quartile of theirs (``True`` when per-step own times are not known)."""
+    mine, theirs = window.own_steps, [t for o in others for t in o.own_steps]
+    if not mine or not theirs or any(not o.own_steps for o in others):
+        return True
+    return float(np.percentile(mine, 25)) > float(np.percentile(theirs, 75))
 
 
 def communication_message(waited_s: float, step_s: float, nodes: int) -> str:

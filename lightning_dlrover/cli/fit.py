@@ -21,6 +21,7 @@ from lightning_dlrover.fault import elastic_trainer_args
 from lightning_dlrover.models import DLRMModule, PredictionWriter
 from lightning_dlrover.models.predictions import require_pyarrow
 from lightning_dlrover.strategy import DLRoverStrategy
+from lightning_dlrover.strategy.launcher import validate_addons
 
 
 class DLRoverCLI(LightningCLI):
@@ -75,12 +76,10 @@ class DLRoverCLI(LightningCLI):
             self.trainer.strategy.check_model(self.model)
         if not any(isinstance(c, ElasticBatchScaler) for c in self.trainer.callbacks):  # it may fit the batch to the world
             rank_slice(self.datamodule.hparams.global_batch_size, 0, self.trainer.world_size)
-        for callback in self.trainer.callbacks:  # add-ons: what the world size or the outside world can refuse
-            if type(callback).__module__.startswith("lightning_dlrover.") and hasattr(callback, "validate"):
-                try:
-                    callback.validate(self.trainer.world_size)
-                except ValueError as err:
-                    _refuse(f"trainer.callbacks: {err}")
+        try:  # add-ons: what the world size or the outside world can refuse (the strategy's launcher checks it too)
+            validate_addons(self.trainer.callbacks, self.trainer.world_size)
+        except ValueError as err:
+            _refuse("trainer.callbacks: " + str(err).replace("\n", "\ntrainer.callbacks: "))
 
     def before_test(self) -> None:
         """Refuses a global batch the world size does not divide before the ranks start."""

@@ -40,6 +40,7 @@ from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV
 from lightning_dlrover.strategy import in_process, process_exit
+from lightning_dlrover.strategy.launcher import validate_trainer_addons
 from lightning_dlrover.strategy.sharding import (
     CPU_DEFAULT_SHARDING_TYPES,
     SHARDING_TYPES,
@@ -163,6 +164,15 @@ class DLRoverStrategy(DDPStrategy):
                          "spills were written under")
         control_plane.init()  # the gloo group of our CPU collectives (see lightning_dlrover.control_plane)
         process_exit.install()
+
+    @property
+    @override
+    def launcher(self) -> Any:
+        """Lightning's launcher, which first runs the add-ons' up-front checks
+        (:func:`~lightning_dlrover.strategy.launcher.validate_addons`): a config no rank could run is refused with one
+        ``ValueError`` in the launching process, before other ranks start (under ``torchrun``: in every rank, before
+        any collective)."""
+        return glue.check_before_launch(super().launcher, validate_trainer_addons)
 
     @property
     @override

@@ -270,6 +270,24 @@ class Leak(pl.Callback):
             trainer.should_stop = True
 
 
+def record_windows(path: str) -> None:
+    """Appends the windows of every ``StragglerDetector.update`` call (rank 0) to ``path``, one JSON line per call:
+    the bench's recorded inputs, replayed by the detector's tests."""
+    import dataclasses
+
+    from lightning_dlrover.advisor.detectors import StragglerDetector
+
+    update = StragglerDetector.update
+
+    def recorded(self, windows):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps([dataclasses.asdict(w) for w in windows]) + "\n")
+        return update(self, windows)
+
+    StragglerDetector.update = recorded
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--devices", type=int, default=2)
@@ -312,7 +330,10 @@ def main() -> None:
     p.add_argument("--leak-from", type=int, default=5)
     p.add_argument("--headroom-mb", type=float, default=None, help="node memory limit: memory at --leak-from + this")
     p.add_argument("--inject", nargs="*", default=[], help="failures to inject (tests/scripts/inject.py)")
+    p.add_argument("--record-windows", default=None, help="append every window the straggler detector judges (JSONL)")
     args = p.parse_args()
+    if args.record_windows:
+        record_windows(args.record_windows)
     if args.inject:
         from tests.scripts.inject import inject
 

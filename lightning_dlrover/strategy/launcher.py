@@ -1,0 +1,39 @@
+"""The add-ons' up-front checks, run where the job is launched, before any rank starts.
+
+An add-on of the package (``ElasticBatchScaler``, ``ResourceAdvisor``, ...) can refuse a config that it could only
+fail on later, on every rank: a batch range no global batch of the world size fits, a job history that cannot be
+opened. It says so in its ``validate(world_size)``. :func:`validate_addons` runs every such check;
+``lightning-dlrover fit`` calls it before the trainer starts, and :class:`~lightning_dlrover.strategy.DLRoverStrategy`
+calls it from its launcher (``Trainer(strategy=DLRoverStrategy(...), callbacks=[...]).fit(...)``): in the launching
+process before Lightning's launcher starts the other ranks, and under ``torchrun`` in every rank before any
+collective, so every rank raises the same error and none waits for a peer that has stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import lightning.pytorch as pl
+
+
+def validate_addons(callbacks: Iterable[object], world_size: int) -> None:
+    """Runs ``validate(world_size)`` of each of the package's add-ons in ``callbacks``.
+
+    Raises:
+        ValueError: one or more add-ons refuse their config; the message holds each add-on's reason and fix, one a
+            line.
+    """
+    refused = []
+    for callback in callbacks:
+        if type(callback).__module__.startswith("lightning_dlrover.") and callable(getattr(callback, "validate", None)):
+            try:
+                callback.validate(world_size)
+            except ValueError as err:
+                refused.append(str(err))
+    if refused:
+        raise ValueError("\n".join(refused))
+
+
+def validate_trainer_addons(trainer: pl.Trainer) -> None:
+    """:func:`validate_addons` of the trainer's callbacks at its world size."""
+    validate_addons(trainer.callbacks, trainer.world_size)
