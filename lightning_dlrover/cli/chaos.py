@@ -84,8 +84,8 @@ def _loopback_store() -> tuple[TCPStore, socket.socket]:
 class Cluster:
     """Starts ``torchrun`` agents of one job, each as a separate node with its own spill directory."""
 
-    def __init__(self, args: argparse.Namespace, name: str, min_nodes: int) -> None:
-        self.args, self.name, self.min_nodes = args, name, min_nodes
+    def __init__(self, args: argparse.Namespace, name: str, min_nodes: int, extra: list[str] | None = None) -> None:
+        self.args, self.name, self.min_nodes, self.extra = args, name, min_nodes, extra or []
         self.store, self._socket = _loopback_store()
         self.port = self._socket.getsockname()[1]
         if args.in_process:  # node 0's launcher hosts the store itself
@@ -132,7 +132,7 @@ class Cluster:
         if a.script is not None:
             return [str(a.script), *a.overrides]
         return ["-m", "lightning_dlrover", "fit", "--config", str(a.config),
-                f"--trainer.default_root_dir={self.job.workdir}", *a.overrides]
+                f"--trainer.default_root_dir={self.job.workdir}", *a.overrides, *self.extra]
 
     def wait(self, until: float) -> bool:
         """Waits for every agent to exit; ``False`` if one is still running at time ``until``."""
@@ -151,13 +151,18 @@ class Cluster:
 
 def _reference_run(args: argparse.Namespace) -> list[Event] | None:
     """The events of the same job without a fault (``None`` if it did not finish)."""
-    cluster = Cluster(args, "reference", args.nodes)
+    cluster = Cluster(args, "reference", args.nodes, _reference_overrides(args))
     try:
         for index in range(args.nodes):
             cluster.start_node(index)
         return cluster.job.events() if cluster.wait(time.time() + args.timeout) else None
     finally:
         cluster.close()
+
+
+def _reference_overrides(args: argparse.Namespace) -> list[str]:
+    """What the fault-free run adds to the job's arguments: ``--reference-steps`` stops it early."""
+    return [] if args.reference_steps is None else [f"--trainer.max_steps={args.reference_steps}"]
 
 
 def _faulted_run(args: argparse.Namespace) -> tuple[bool, list[Event]]:
@@ -264,6 +269,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run (no digest match)")
     parser.add_argument("--reuse-reference", action="store_true",
                         help="reuse the fault-free run a previous drill with the same config and options left in --workdir")
+    parser.add_argument("--reference-steps", type=int, default=None, metavar="N",
+                        help="the fault-free run trains only N steps (N >= --at-step): enough to check the restored state "
+                             "of a long job at a fraction of the cost; the final digests are then not compared")
     parser.add_argument("--timeout", type=int, default=600, help="seconds each run may take")
     parser.add_argument("--last-call", type=int, default=3, help="rendezvous last-call wait, seconds")
     parser.add_argument("--workdir", type=Path, default=Path("runs/chaos"))
@@ -284,6 +292,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--config {args.config} does not exist")
     if args.script is not None and not args.script.is_file():
         parser.error(f"--script {args.script} does not exist")
+    if args.reference_steps is not None and (args.script is not None or args.no_reference):
+        parser.error("--reference-steps shortens the fault-free run of --config; leave it out with --script or --no-reference")
+    if args.reference_steps is not None and args.reference_steps < args.at_step:
+        parser.error(f"--reference-steps {args.reference_steps} stops before --at-step {args.at_step}: the restored state "
+                     "(at --at-step or the commit before it) would have nothing to compare with")
     if args.kill_all and (args.replace or args.rejoin_after is not None):
         parser.error("--kill-all restarts the same nodes; leave out --replace and --rejoin-after")
     args.workdir = args.workdir.resolve()
@@ -298,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = None
     if not args.no_reference:
         program = (args.script or args.config).read_bytes()
-        key = hashlib.sha256(repr([program, args.nodes, args.nproc_per_node, args.overrides]).encode())
+        key = hashlib.sha256(repr([program, args.nodes, args.nproc_per_node, args.overrides + _reference_overrides(args)]).encode())
         cached = args.workdir / f"reference-{key.hexdigest()[:16]}.jsonl"
         if args.reuse_reference and cached.is_file():
             reference = read_events([cached])

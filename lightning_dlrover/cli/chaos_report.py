@@ -51,6 +51,8 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     resumed = [e.time for e in events if e.kind == "resumed" and e.time >= after]
     finals = [e["digest"] for e in events if e.kind == "digest" and e["final"]]
     fault_free = ([e["digest"] for e in reference if e.kind == "digest" and e["final"]] or [None])[-1] if reference else None
+    if args.reference_steps is not None:  # a shortened fault-free run: no final state to compare
+        fault_free = None
     victim = "every rank" if args.kill_all else f"rank {args.kill_rank}" if args.in_process else f"node {args.kill_node}"
     lines = [
         f"nodes: {args.nodes} x {args.nproc_per_node} ranks; killed {victim} at step {args.at_step} ({args.phase}); "
@@ -99,7 +101,10 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     if fault_free is not None:
         lines.append(f"fault-free digest: {fault_free}")
     match = bool(finals) and fault_free is not None and finals[-1] == fault_free and finished
-    lines.append(f"digest match: {'yes' if match else 'no'}{'' if reference else ' (no fault-free run to compare)'}")
+    why = "" if reference else " (no fault-free run to compare)"
+    if reference and args.reference_steps is not None:
+        why = f" (not compared: the fault-free run stopped at step {args.reference_steps}, --reference-steps)"
+    lines.append(f"digest match: {'yes' if match else 'no'}{why}")
     return lines
 
 

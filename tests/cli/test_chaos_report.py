@@ -2,8 +2,9 @@
 listens on the loopback interface only."""
 
 import psutil
+import pytest
 
-from lightning_dlrover.cli.chaos import _loopback_store, parse_args
+from lightning_dlrover.cli.chaos import _loopback_store, _reference_overrides, parse_args
 from lightning_dlrover.cli.chaos_report import summarize
 from lightning_dlrover.monitor.events import Event
 
@@ -111,3 +112,29 @@ def test_a_recovery_that_fails_again_before_training_on_is_not_counted():
     args = parse_args(["--in-process", "--nodes", "1", "--kill-rank", "1", "--at-step", "12"])
     got = dict(line.split(": ", 1) for line in summarize(args, True, events, REFERENCE))
     assert got["kills"] == "3; recovered in process: 1; full restarts: 1"
+
+
+def test_a_shortened_fault_free_run_checks_the_restored_state_but_not_the_final_digest():
+    args = parse_args(["--kill-node", "1", "--at-step", "6", "--reference-steps", "7", "--trainer.max_steps=100"])
+    assert _reference_overrides(args) == ["--trainer.max_steps=7"]  # after the job's own overrides: it wins
+    assert _reference_overrides(parse_args(["--at-step", "6"])) == []
+    short = [event("digest", 1.0, 6, digest="a" * 64, final=False),
+             event("digest", 2.0, 7, digest="b" * 64, final=True)]
+    events = [
+        event("fault_injected", 100.0, 6, phase="before_forward", target="node", signal="SIGKILL", committed_step=6),
+        event("restored", 110.0, 6, **RESTORED),
+        event("digest", 110.5, 6, digest="a" * 64, final=False),
+        event("digest", 130.0, 100, digest="b" * 64, final=True),  # a digest the 7-step run also ended with
+    ]
+    got = dict(line.split(": ", 1) for line in summarize(args, True, events, short))
+    assert got["restored state equals the fault-free state at step 6"] == "yes"
+    assert "fault-free digest" not in got
+    assert got["digest match"] == "no (not compared: the fault-free run stopped at step 7, --reference-steps)"
+
+
+def test_a_fault_free_run_shortened_below_the_kill_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--at-step", "12", "--reference-steps", "5"])
+    assert "--reference-steps 5 stops before --at-step 12" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--at-step", "12", "--reference-steps", "20", "--no-reference"])

@@ -16,7 +16,7 @@ SCRIPT = str(REPO / "tests" / "scripts" / "user_model.py")
 
 
 def user_drill(workdir, *args: str, manual: bool = False) -> dict[str, str]:
-    job = ["--", "--steps", "24", "--ckpt-every", "5", *(["--manual"] if manual else [])]
+    job = ["--", "--steps", "16", "--ckpt-every", "5", *(["--manual"] if manual else [])]
     return drill(workdir, "--script", SCRIPT, "--reuse-reference", *args, *job)
 
 
@@ -56,7 +56,7 @@ def test_manual_optimisation_with_two_optimizers_recovers_exactly(workdir):
 def test_coalesced_commits_resume_at_the_last_commit_and_replay_exactly(workdir):
     # Commits every 4 steps (4, 8, 12, ...): a loss in step index 10 resumes at 8 and trains 8-9 again.
     summary = drill(workdir, "--script", SCRIPT, "--kill-node", "1", "--at-step", "10", "--replace",
-                    "--", "--steps", "24", "--parity", "1,1,4")
+                    "--", "--steps", "16", "--parity", "1,1,4")
     assert summary["recovered"].startswith("yes, from survivors' spills (recovered step 8 of a 4-rank job"), summary
     assert summary["restored state equals the fault-free state at step 8"] == "yes"
     assert summary["last committed step before the kill"] == "8" and summary["steps lost"] == "0"
