@@ -7,7 +7,7 @@ variants (tested in tests/data/test_staged.py), so only speed and memory differ.
 
 1. **Ingestion only** (one process, nothing consumes the batches): each variant runs ``--seconds`` under the
    same harness (windows of ``--window`` s; tuners change the pipeline between windows):
-   - ``in_process``: today's loader: ``ResumableLoader`` over ``CriteoTSV`` (per-field Python parse, in the
+   - ``in_process``: today's loader: ``ResumableLoader`` over ``CriteoTSV`` (the vectorised block parse since issue #24 (per-field Python parse before), in the
      consumer's thread, nothing prefetched);
    - ``inline_fast``: the pipeline with every stage inline (the vectorised parse alone, no workers);
    - ``workers_eq_cores``: read 1, parse = transform = cores, assemble 1, prefetch 2 (the usual
@@ -109,7 +109,7 @@ def run_reference(source, args) -> dict:
             loader.load_state_dict({"next_sample": 0})
     seconds = time.perf_counter() - t0
     nbytes = batch.dense_features.nbytes + batch.sparse_features.values().nbytes + batch.labels.nbytes
-    return {"name": "in_process", "overall": samples / seconds, "steady": samples / seconds, "final": "per-field parse",
+    return {"name": "in_process", "overall": samples / seconds, "steady": samples / seconds, "final": "in-process parse",
             "peak": nbytes * 3, "time_to_95": None, "resets": 0}
 
 
@@ -240,7 +240,7 @@ def train_worker(args) -> None:
         print("BENCH_RESULT " + json.dumps({
             "variant": variant, "devices": devices, "samples_per_sec": stats.samples_per_sec,
             "data_wait_share": sum(wait) / len(wait), "peak_rss_bytes": max(r.peak_rss_bytes for r in stats.ranks),
-            "final": tuned.final.short() if tuned else "per-field parse",
+            "final": tuned.final.short() if tuned else "in-process parse",
             "pipeline_peak_bytes": tuned.peak_memory if tuned else 0, "budget_cpus": cores}), flush=True)
 
 
