@@ -86,6 +86,9 @@ def export_checkpoint(
     meta = directory.read_meta(path)
     class_path = module_class or meta.get(MODULE_CLASS_KEY)
     hparams = dict(meta.get("hyper_parameters") or {})
+    # LightningCLI records how it built the module beside the arguments; Lightning's own loading drops these too
+    class_path = class_path or hparams.get("_class_path")
+    hparams = {k: v for k, v in hparams.items() if k not in ("_instantiator", "_class_path")}
     module = build_module(class_path, hparams, path)
     saved = {fqn.removeprefix("model."): reader.shape(fqn) for fqn in reader.tensors if fqn.startswith("model.")}
     check_shapes({k: tuple(v.shape) for k, v in module.state_dict().items()}, saved, path, class_path)

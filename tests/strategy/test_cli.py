@@ -36,6 +36,11 @@ def test_demo_config_trains_and_saved_config_round_trips(tmp_path):
     second = run(["fit", "--config", saved, f"--trainer.default_root_dir={tmp_path / 'b'}"], tmp_path,
                  program=[console_script])
     assert digests(first.stdout)["end"] == digests(second.stdout)["end"]
+    # a checkpoint of the command line exports (LightningCLI adds `_instantiator` to the saved hparams)
+    exported = run(["-m", "lightning_dlrover", "export", "--ckpt_path",
+                    tmp_path / "a" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt",
+                    "--out", tmp_path / "exported", "--no-program"], tmp_path)
+    assert "exported" in exported.stdout and (tmp_path / "exported" / "model.pt").is_file(), exported.stdout
 
 
 @pytest.mark.slow
