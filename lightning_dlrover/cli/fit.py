@@ -21,7 +21,7 @@ from lightning_dlrover.fault import elastic_trainer_args
 from lightning_dlrover.models import DLRMModule, PredictionWriter
 from lightning_dlrover.models.predictions import require_pyarrow
 from lightning_dlrover.strategy import DLRoverStrategy
-from lightning_dlrover.strategy.launcher import validate_addons
+from lightning_dlrover.strategy.launcher import AddonConfigError
 
 
 class DLRoverCLI(LightningCLI):
@@ -76,10 +76,8 @@ class DLRoverCLI(LightningCLI):
             self.trainer.strategy.check_model(self.model)
         if not any(isinstance(c, ElasticBatchScaler) for c in self.trainer.callbacks):  # it may fit the batch to the world
             rank_slice(self.datamodule.hparams.global_batch_size, 0, self.trainer.world_size)
-        try:  # add-ons: what the world size or the outside world can refuse (the strategy's launcher checks it too)
-            validate_addons(self.trainer.callbacks, self.trainer.world_size)
-        except ValueError as err:
-            _refuse("trainer.callbacks: " + str(err).replace("\n", "\ntrainer.callbacks: "))
+        # The add-ons' own checks (what the world size or the outside world can refuse) run once, in the strategy's
+        # launcher before it starts the ranks; :func:`fit` turns their AddonConfigError into the one-line error.
 
     def before_test(self) -> None:
         """Refuses a global batch the world size does not divide before the ranks start."""
@@ -123,7 +121,9 @@ def fit(args: list[str] | None) -> None:
 
     A malformed data line (``data.pipeline.on_error: raise``) ends the command with its one-line message (file, line,
     what is wrong, how to go on) and exit status 1, not the trainer's traceback around it. From Python, ``Trainer.fit``
-    raises the :class:`~lightning_dlrover.data.tsv_parse.MalformedLine` itself."""
+    raises the :class:`~lightning_dlrover.data.tsv_parse.MalformedLine` itself. An add-on that refuses its config
+    (:class:`~lightning_dlrover.strategy.launcher.AddonConfigError`, raised before any rank starts) ends it with one
+    line per refusal and exit status 2."""
     try:
         DLRoverCLI(
             DLRMModule,
@@ -135,3 +135,7 @@ def fit(args: list[str] | None) -> None:
     except MalformedLine as err:
         print(f"lightning-dlrover fit: error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except AddonConfigError as err:
+        words = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        command = next((w for w in words if w in ("fit", "validate", "test", "predict")), "fit")
+        _refuse("trainer.callbacks: " + str(err).replace("\n", "\ntrainer.callbacks: "), command)

@@ -3,10 +3,10 @@
 An add-on of the package (``ElasticBatchScaler``, ``ResourceAdvisor``, ...) can refuse a config that it could only
 fail on later, on every rank: a batch range no global batch of the world size fits, a job history that cannot be
 opened. It says so in its ``validate(world_size)``. :func:`validate_addons` runs every such check;
-``lightning-dlrover fit`` calls it before the trainer starts, and :class:`~lightning_dlrover.strategy.DLRoverStrategy`
-calls it from its launcher (``Trainer(strategy=DLRoverStrategy(...), callbacks=[...]).fit(...)``): in the launching
-process before Lightning's launcher starts the other ranks, and under ``torchrun`` in every rank before any
-collective, so every rank raises the same error and none waits for a peer that has stopped.
+:class:`~lightning_dlrover.strategy.DLRoverStrategy` calls it from its launcher (``Trainer(strategy=DLRoverStrategy(...),
+callbacks=[...]).fit(...)``, and ``lightning-dlrover fit``): in the launching process before Lightning's launcher
+starts the other ranks, and under ``torchrun`` in every rank before any collective, so every rank raises the same
+:class:`AddonConfigError` and none waits for a peer that has stopped.
 """
 
 from __future__ import annotations
@@ -16,11 +16,16 @@ from collections.abc import Iterable
 import lightning.pytorch as pl
 
 
+class AddonConfigError(ValueError):
+    """One or more of the package's add-ons refuse their config: the message holds each one's reason and fix, a line
+    each."""
+
+
 def validate_addons(callbacks: Iterable[object], world_size: int) -> None:
     """Runs ``validate(world_size)`` of each of the package's add-ons in ``callbacks``.
 
     Raises:
-        ValueError: one or more add-ons refuse their config; the message holds each add-on's reason and fix, one a
+        AddonConfigError: one or more add-ons refuse their config; the message holds each add-on's reason and fix, one a
             line.
     """
     refused = []
@@ -31,7 +36,7 @@ def validate_addons(callbacks: Iterable[object], world_size: int) -> None:
             except ValueError as err:
                 refused.append(str(err))
     if refused:
-        raise ValueError("\n".join(refused))
+        raise AddonConfigError("\n".join(refused))
 
 
 def validate_trainer_addons(trainer: pl.Trainer) -> None:
