@@ -138,3 +138,13 @@ def test_a_fault_free_run_shortened_below_the_kill_is_refused(capsys):
     assert "--reference-steps 5 stops before --at-step 12" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["--at-step", "12", "--reference-steps", "20", "--no-reference"])
+
+
+def test_a_step_digested_but_not_yet_committed_is_not_counted_as_lost():
+    """The digest of a step is recorded before its commit: a kill just after it finds the survivors' spill (and
+    the restore) one step back, and no committed step was lost."""
+    events = [*digests((1.0, 0), (2.0, 3), (3.0, 4)), runner_kill(3.01, 4),
+              event("stopped", 3.1, 3, reason="SIGTERM", spill="x", spill_s=0.01, tentative_step=None),
+              event("restored", 9.0, 3, **RESTORED), *digests((9.1, 3), (10.0, 30))]
+    facts = drill_facts(parse_args(["--nodes", "1", "--kills", "1"]), True, events, None, (None, None), (1, ""))
+    assert facts["steps_lost"] == 0 and facts["kills"][0]["committed_step"] == 3

@@ -159,3 +159,29 @@ def test_bad_input_is_named_with_what_was_expected(tmp_path, dlrm_export):
         load_plain_into(WiderDLRM(sizes, embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1]),
                         export)
     assert not any((tmp_path / f"out{i}").exists() for i in (1, 2, 3, 4, 5)), "nothing written for a bad checkpoint"
+
+
+def test_save_program_writes_the_file_torch_export_save_writes(tmp_path):
+    """``save_program`` writes each weight from its own memory; the archive is byte for byte ``torch.export.save``'s and
+    loads to the same outputs."""
+    import torch
+
+    from lightning_dlrover.export.program import save_program
+
+    class Lookup(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(1000, 16))
+            self.bias = torch.nn.Parameter(torch.randn(16))
+            self.register_buffer("empty", torch.empty(0))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.table[ids] + self.bias + self.empty.sum()
+
+    module, ids = Lookup(), torch.tensor([3, 999, 0])
+    program = torch.export.export(module, (ids,))
+    (tmp_path / "ours").mkdir(), (tmp_path / "torch").mkdir()  # the archive's records are named after its file
+    save_program(program, tmp_path / "ours" / "model.pt2")
+    torch.export.save(program, tmp_path / "torch" / "model.pt2")
+    assert (tmp_path / "ours" / "model.pt2").read_bytes() == (tmp_path / "torch" / "model.pt2").read_bytes()
+    assert torch.equal(torch.export.load(tmp_path / "ours" / "model.pt2").module()(ids), module(ids))
