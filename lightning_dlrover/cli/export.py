@@ -23,6 +23,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-features", type=int, default=None,
                    help="dense features per sample (the program's input), when the module does not say")
     p.add_argument("--no-program", action="store_true", help="leave model.pt2 out")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="also write model_int8.pt: the module with row-wise int8 tables (TorchRec's inference path)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     return p
 
@@ -38,7 +40,7 @@ def main(argv: list[str]) -> int:
     try:
         out = export_checkpoint(args.ckpt_path, args.out, module_class=args.module_class,
                                 dense_features=args.dense_features, program=not args.no_program,
-                                overwrite=args.overwrite)
+                                quantize=args.quantize, overwrite=args.overwrite)
     except (BadCheckpoint, CheckpointFileError) as err:
         print(f"lightning-dlrover export: error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -37,6 +37,8 @@ from lightning_dlrover.checkpoint.plain import (
 )
 from lightning_dlrover.checkpoint.stream import DCPReader
 from lightning_dlrover.export.program import ServingModule, example_inputs, export_program, save_program
+from lightning_dlrover.export.quantized import QUANTIZE_DTYPES, QUANTIZED_FILE
+from lightning_dlrover.export.quantized import quantize as quantize_tables
 from lightning_dlrover.log import get_logger
 
 log = get_logger(__name__)
@@ -52,6 +54,7 @@ def export_checkpoint(
     module_class: str | None = None,
     dense_features: int | None = None,
     program: bool = True,
+    quantize: str | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Writes the unsharded artefact of the strategy checkpoint ``ckpt_path`` into the directory ``out`` and returns
@@ -65,6 +68,8 @@ def export_checkpoint(
         dense_features: dense features per sample of the program's input, when the module has no
             ``export_dense_features`` attribute.
         program: also write ``model.pt2`` (the ``torch.export`` program).
+        quantize: ``"int8"``: also write ``model_int8.pt``, the module with row-wise int8 tables
+            (:mod:`.quantized`; served through TorchRec).
         overwrite: replace ``out`` if it exists.
 
     Raises:
@@ -80,6 +85,8 @@ def export_checkpoint(
             "it into a job with DLRoverStrategy(checkpoint_backend='dcp') (any backend loads) and save it again "
             "(Trainer.save_checkpoint), or train with the default backend."
         )
+    if quantize is not None and quantize not in QUANTIZE_DTYPES:
+        raise ValueError(f"quantize={quantize!r} is not one of {sorted(QUANTIZE_DTYPES)}.")
     if out.exists() and not overwrite:
         raise BadCheckpoint(f"{out} exists; choose another --out or pass overwrite=True (--overwrite).")
     reader = DCPReader(path / directory.SHARDED_DIR)
@@ -128,6 +135,11 @@ def export_checkpoint(
                                                                                         "int32"],
             "features": features,
         }
+    if quantize is not None:  # last: it swaps the module's tables for int8 ones in place
+        torch.save(quantize_tables(module, quantize).state_dict(), staging / QUANTIZED_FILE)
+        config["files"]["quantized"] = QUANTIZED_FILE
+        config["quantized"] = {"dtype": quantize, "scheme": "row-wise: int8 codes, an fp16 scale and bias per row "
+                               "(torchrec.inference.modules.quantize_embeddings)"}
     (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str) + "\n")
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
