@@ -11,6 +11,7 @@ from lightning_dlrover.monitor import read_events
 from tests.conftest import REPO, run
 
 INJECT = REPO / "tests" / "scripts" / "inject.py"
+RANKS_JOB = REPO / "tests" / "scripts" / "tuner_ranks.py"
 
 
 def _fit(tmp_path, *extra: str, inject: str | None = None):
@@ -30,14 +31,20 @@ def _fit(tmp_path, *extra: str, inject: str | None = None):
 @pytest.mark.slow
 @pytest.mark.parametrize("tuner", ["rl", "hill_climb"])
 def test_every_rank_runs_rank_0s_decisions_from_the_same_step(tmp_path, tuner):
-    events = _fit(tmp_path, f"--trainer.callbacks.init_args.tuner={tuner}")
+    # Rank 1's pipeline is slower (a slow user transform on rank 1 only): it waits for data, rank 0 waits for it
+    # inside the all-reduce. Before, each rank's agent judged its own bottleneck and they changed their pipelines
+    # apart (rank 0 toward fewer workers, rank 1 toward more transform workers).
+    [path] = generate_days(tmp_path / "data", 1, 12_000, GeneratorConfig(max_vocab=1000, seed=5))
+    proc = run([RANKS_JOB, path, tmp_path, tuner, 40], tmp_path, timeout=400)
+    assert proc.stdout.count("FINAL_STEP 40") == 2, proc.stdout[-3000:]
+    events = read_events([tmp_path / "dlrover_events.jsonl"])
     decisions = {rank: [(e.step, e["config"], e["next_config"]) for e in events
                         if e.kind == "pipeline_decision" and e.rank == rank] for rank in (0, 1)}
     assert decisions[0], "no window closed"
     assert any(next_config for _, _, next_config in decisions[0])  # it changed the pipeline at least once
     assert decisions[0] == decisions[1]  # the same configurations, decided at the same steps, on both ranks
     tuned = {e.rank: e for e in events if e.kind == "pipeline_tuned"}
-    assert tuned[0]["config"] == tuned[1]["config"] and tuned[0]["budget_cpus"] == tuned[1]["budget_cpus"] == 2
+    assert tuned[0]["config"] == tuned[1]["config"]
 
 
 @pytest.mark.slow
