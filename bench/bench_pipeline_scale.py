@@ -246,6 +246,7 @@ def main(argv=None) -> None:
                    help="also evaluate a what-if pipeline whose assemble stage runs in worker processes")
     p.add_argument("--trainer-cores", type=float, default=1.5,
                    help="cores the demo DLRM's step keeps busy on 2 cores (its wall step: its CPU / this)")
+    p.add_argument("--noise", type=float, help="window-to-window noise of the rate (default: the calibrated one)")
     p.add_argument("--memory-gb", type=float, default=16.0, help="the pipeline's memory budget")
     args = p.parse_args(argv)
     args.calibration.parent.mkdir(parents=True, exist_ok=True)
@@ -253,6 +254,8 @@ def main(argv=None) -> None:
         cal = calibrate(args.calibrate, args.batch, args.calibration, args.reference, args.trainer_cores)
         print(f"calibrated (load {os.getloadavg()[0]:.1f}): {json.dumps(cal.__dict__)}")
     cal = load(args.calibration)
+    if args.noise is not None:  # e.g. a quiet machine's window noise instead of the one measured
+        cal = Calibration(**{**cal.__dict__, "noise": args.noise})
     print("stage seconds per batch: " + ", ".join(f"{s} {cal.service_s[s] * 1e3:.1f} ms" for s in STAGES)
           + f"; process IPC {', '.join(f'{s} {v * 1e3:.1f} ms' for s, v in cal.ipc_s.items())}; trainer step "
           f"{cal.step_s * 1e3:.0f} ms on {cal.step_cores:.2f} cores; worker {cal.worker_bytes / 2**20:.0f} MiB; "
