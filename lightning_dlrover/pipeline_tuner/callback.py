@@ -1,15 +1,19 @@
 """``PipelineTuner``: tunes the TSV pipeline's workers per stage and prefetch depth online, while training.
 
-Each rank tunes its own pipeline within its share of the node's cores (the cores left after the training
-ranks, divided by the ranks on the node) and a hard memory budget; no collective is needed because the
-batches do not depend on the parallelism. Decisions apply between two steps (the pipeline is rebuilt at the
+Each rank's pipeline gets its share of the node's cores (the cores left after the training ranks, divided by
+the ranks on the node) and a hard memory budget. At 2+ ranks one decision holds for all ranks: the windows
+close at the same step on every rank and rank 0's tuner decides from the ranks' combined observations, its
+decision broadcast on the control plane (:mod:`~lightning_dlrover.pipeline_tuner.joint`), so every rank runs
+the same configuration from the same step. Decisions apply between two steps (the pipeline is rebuilt at the
 current sample position). Every decision is a ``pipeline_decision`` event; at the end of fit a
 ``pipeline_tuned`` event, a table (rank 0) and ``<default_root_dir>/pipeline/tuner_rank<r>.png`` and
 ``trace_rank<r>.json``.
 
 A failure inside the tuner (a hook, a decision, a pipeline rebuild it asked for, its report) never ends the fit
 (:mod:`~lightning_dlrover.monitor.guard`): it is reported once (an ``addon_failed`` event and a warning), the
-pipeline goes back to the last configuration the tuner completed a step with, and the tuner stops tuning.
+pipeline goes back to the last configuration the tuner completed a step with, and the tuner stops tuning. At
+2+ ranks every rank steps back at the next meeting (to the configuration of the last meeting all ranks joined
+healthy), and no rank waits for another.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -26,7 +31,8 @@ from typing_extensions import override
 from lightning_dlrover.data.staged import PipelineConfig, PipelinedLoader
 from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import emit
-from lightning_dlrover.monitor.guard import guarded
+from lightning_dlrover.monitor.guard import failure, guarded, report_failure
+from lightning_dlrover.pipeline_tuner import joint
 from lightning_dlrover.pipeline_tuner.agent import Decision, RLTuner, shrink
 from lightning_dlrover.pipeline_tuner.baselines import FixedTuner, HillClimbTuner
 from lightning_dlrover.pipeline_tuner.harness import Trace, TunerDriver
@@ -63,7 +69,7 @@ class PipelineTuner(Callback):
         min_batches: batches per measurement window, at least.
         start: the first configuration, e.g. ``{read: 1, parse: 1, transform: 1, assemble: 1, prefetch: 2}``
             (default: the pipeline's configuration, ``data.pipeline``). ``rl`` keeps it unless a change beats it
-            end to end; ``hill_climb`` always starts from one worker per stage.
+            end to end; ``hill_climb`` climbs from it.
         seed: seed of the agent's exploration.
         report_dir: where the PNG and trace go (default ``<default_root_dir>/pipeline``).
     """
@@ -82,26 +88,66 @@ class PipelineTuner(Callback):
         self.driver: TunerDriver | None = None
         self.trace: Trace | None = None
         self._good: PipelineConfig | None = None  # the pipeline's configuration when the tuner last completed a step
+        self._joint = self._joint_off = False  # 2+ ranks deciding together; stopped on every rank
+        self._batches = 0
 
     def _make_tuner(self, budget: Budget, configured: PipelineConfig) -> Any:
-        if self.tuner_name == "rl":  # starts from (and keeps, unless a change beats it) the configured pipeline
-            return RLTuner(budget, start=self.start or configured, seed=self.seed)
-        if self.tuner_name == "hill_climb":
-            return HillClimbTuner(budget)
-        return FixedTuner(self.start or configured, "fixed")
+        """The tuner from ``configured`` (the start: ``rl`` keeps it unless a change beats it, ``hill_climb`` climbs
+        from it); at 2+ ranks, on a rank other than 0, a :class:`~joint.Follower` of rank 0's."""
+        if self.tuner_name == "rl":
+            tuner = RLTuner(budget, start=configured, seed=self.seed)
+        elif self.tuner_name == "hill_climb":
+            tuner = HillClimbTuner(budget, start=configured)
+        else:
+            tuner = FixedTuner(configured, "fixed")
+        if self._joint and self._trainer.global_rank != 0:
+            return joint.Follower(tuner.name, tuner.first())
+        return tuner
 
     @override
-    @guarded
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        loader = find_pipelined_loader(trainer)
+        """Sets up the tuner; at 2+ ranks the ranks agree on rank 0's budget (a collective every rank joins)."""
+        self._trainer, self._batches, self._joint_off = trainer, 0, False
+        self._joint = trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+        self._start(trainer)
+        if not self._joint:
+            return
+        every = joint.gather(self.budget if failure(self) is None else None)
+        if self._peers_failed(every, trainer):
+            return
+        self.budget = every[0]
+        self._drive(trainer)
+
+    @guarded("on_train_start")
+    def _start(self, trainer: Trainer) -> None:
+        self._loader = loader = find_pipelined_loader(trainer)
         self._good = loader.config
         memory = self.memory_mb << 20 if self.memory_mb else None
         self.budget = Budget.for_node(max(trainer.num_devices, 1), self.cpus, memory, self.max_prefetch)
-        self.tuner = self._make_tuner(self.budget, loader.config)
-        self._trainer = trainer
-        self.driver = TunerDriver(loader, self.tuner, self.window_s, self.min_batches, on_decision=self._emit)
+        if not self._joint:
+            self._drive(trainer)
+
+    @guarded("on_train_start")
+    def _drive(self, trainer: Trainer) -> None:
+        loader = self._loader
+        self.tuner = self._make_tuner(self.budget, self.start or loader.config)
+        self.driver = TunerDriver(loader, self.tuner, self.window_s, self.min_batches, on_decision=self._emit,
+                                  joint=self._joint)
         rank_zero_info(f"PipelineTuner ({self.tuner_name}): budget {self.budget.cpus} workers and "
-                       f"{self.budget.memory_bytes / 2**20:.0f} MiB per rank; starting at {loader.config.short()}")
+                       f"{self.budget.memory_bytes / 2**20:.0f} MiB per rank; starting at {self.tuner.first().short()}"
+                       + (f", one decision for all {trainer.world_size} ranks (rank 0's)" if self._joint else ""))
+
+    def _peers_failed(self, every: list[Any], trainer: Trainer) -> bool:
+        """After a meeting: whether a rank joined it as failed; then the tuner steps back on every rank."""
+        bad = joint.failed_ranks(every)
+        if not bad:
+            return False
+        self._joint_off = True
+        if failure(self) is None:
+            report_failure(self, "on_train_batch_end", joint.PeerFailed(
+                f"the pipeline tuner failed on rank(s) {bad}; it steps back on every rank to keep them in step"),
+                trainer.global_step)
+        return True
 
     def step_back(self) -> str:
         """After a failure: the pipeline goes back to the configuration in use when the tuner last completed a step
@@ -128,12 +174,7 @@ class PipelineTuner(Callback):
         current = self.driver.loader.config
         guard = MemoryGuard(self.budget)
         within = current if guard.allows(current) else shrink(current, guard)  # the new budget is a hard limit
-        if self.tuner_name == "fixed":
-            self.tuner = FixedTuner(within)
-        elif self.tuner_name == "rl":
-            self.tuner = RLTuner(self.budget, start=within, seed=self.seed)
-        else:
-            self.tuner = HillClimbTuner(self.budget)
+        self.tuner = self._make_tuner(self.budget, within)
         self.driver.use_tuner(self.tuner)
         rank_zero_info(f"PipelineTuner ({self.tuner_name}): budget now {self.budget.cpus} workers per rank; "
                        f"from {current.short()} to {self.tuner.first().short()}")
@@ -148,12 +189,54 @@ class PipelineTuner(Callback):
              predicted_memory_bytes=decision.predicted_memory)
 
     @override
-    @guarded
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        """Measures; at 2+ ranks, every ``min_batches`` batches, the ranks meet (a failed rank too, as failed)."""
+        self._batch_end()
+        if self._joint and not self._joint_off:
+            self._batches += 1
+            if self._batches % self.min_batches == 0:
+                self._meet(trainer)
+
+    @guarded("on_train_batch_end")
+    def _batch_end(self) -> None:
         if self.driver is not None:
             self.driver.after_batch()
-            self._good = self.driver.loader.config
+            if not self._joint:
+                self._good = self.driver.loader.config
+
+    def _meet(self, trainer: Trainer) -> None:
+        """One meeting of the ranks (:mod:`~lightning_dlrover.pipeline_tuner.joint`): every rank's window; if it is
+        complete everywhere, rank 0's decision, applied on every rank."""
+        every = joint.gather(self._window() if failure(self) is None else None)
+        if self._peers_failed(every, trainer):
+            return
+        self._good = self.driver.loader.config  # every rank healthy, on the same configuration
+        windows = [w for _, w in every]
+        if any(w is None for w in windows) or not joint.closes(self.driver, windows):
+            return
+        decided = self._decide(windows) if trainer.global_rank == 0 and failure(self) is None else None
+        decided = joint.broadcast(decided)
+        if self._peers_failed([decided], trainer):
+            return
+        self._follow(windows[trainer.global_rank][0], *decided)
+
+    @guarded("on_train_batch_end")
+    def _window(self) -> tuple:
+        return ("window", self.driver.window())
+
+    @guarded("on_train_batch_end")
+    def _decide(self, windows: list[joint.Window]) -> tuple:
+        combined, worker_bytes = joint.combine(windows)
+        d = self.tuner.step(combined, worker_bytes)
+        return d.config, d.reason, d.predicted_memory, self.tuner.done, getattr(self.tuner, "kept_start", None)
+
+    @guarded("on_train_batch_end")
+    def _follow(self, own: Any, config: PipelineConfig | None, reason: str, predicted: int, done: bool,
+                kept_start: bool | None) -> None:
+        if isinstance(self.tuner, joint.Follower):
+            self.tuner.follow(config, done, kept_start)
+        self.driver.apply(own, Decision(own, config, reason, predicted))
 
     @override
     @guarded

@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_dlrover.data.staged import PipelineConfig, PipelinedLoader
 from lightning_dlrover.pipeline_tuner.agent import Decision
-from lightning_dlrover.pipeline_tuner.observe import Sampler
+from lightning_dlrover.pipeline_tuner.observe import Observation, Sampler
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,14 @@ class TunerDriver:
         window_s, min_batches: a window closes after both.
         settle_batches: batches after a change left out of the next window.
         on_decision: called with every :class:`Decision` (for events and logs).
+        joint: one of several ranks deciding together: :meth:`after_batch` only measures; the windows close at the
+            ranks' meetings (:meth:`window`, :meth:`closes`, :meth:`apply`).
     """
 
     def __init__(self, loader: PipelinedLoader, tuner: Any, window_s: float = 2.0, min_batches: int = 3,
-                 settle_batches: int = 1, on_decision: Callable[[Decision], None] | None = None) -> None:
-        self.loader, self.tuner = loader, tuner
+                 settle_batches: int = 1, on_decision: Callable[[Decision], None] | None = None,
+                 joint: bool = False) -> None:
+        self.loader, self.tuner, self.joint = loader, tuner, joint
         self.window_s, self.min_batches, self.settle_batches = window_s, min_batches, settle_batches
         self.on_decision = on_decision
         self.sampler = Sampler(loader)
@@ -100,18 +103,37 @@ class TunerDriver:
         self._settle = self.settle_batches
 
     def after_batch(self) -> Decision | None:
-        """Call after each batch the consumer took; returns the decision if a window closed."""
+        """Call after each batch the consumer took; returns the decision if a window closed. A ``joint`` driver
+        only measures here: the ranks close windows together (:mod:`~lightning_dlrover.pipeline_tuner.joint`)."""
         if self._settle > 0:
             self._settle -= 1
             if self._settle == 0:
                 self.sampler.restart()
             return None
         self.sampler.poll()
-        window = self.window_s * (3 if self.tuner.done else 1)
-        if self.sampler.elapsed() < window or self.loader.stats.batches - self.sampler._stats0.batches < self.min_batches:
+        if self.joint:
+            return None
+        if not self.closes(self.sampler.elapsed(), self.loader.stats.batches - self.sampler._stats0.batches):
             return None
         obs = self.sampler.observe()
         decision = self.tuner.step(obs, self.sampler.worker_bytes)
+        self.apply(obs, decision)
+        return decision
+
+    def closes(self, seconds: float, batches: int) -> bool:
+        """Whether a window of ``seconds`` and ``batches`` is complete (3x longer once the tuner is done)."""
+        return seconds >= self.window_s * (3 if self.tuner.done else 1) and batches >= self.min_batches
+
+    def window(self) -> tuple[Observation, list[int], int] | None:
+        """This rank's window so far (observation, worker processes' bytes, batches), ``None`` while the batches
+        after a change settle."""
+        if self._settle > 0:
+            return None
+        batches = self.loader.stats.batches - self.sampler._stats0.batches
+        return self.sampler.observe(), list(self.sampler.worker_bytes), batches
+
+    def apply(self, obs: Observation, decision: Decision) -> None:
+        """Records the closed window ``obs`` and applies ``decision`` (a new window starts)."""
         self.trace.points.append(TracePoint(time.perf_counter() - self._t0, obs.config, obs.samples_per_s,
                                             obs.memory_bytes, obs.wait_fraction, obs.utilisation, decision.config,
                                             decision.reason, decision.predicted_memory))
@@ -122,7 +144,6 @@ class TunerDriver:
             self._settle = self.settle_batches
         else:
             self.sampler.restart()
-        return decision
 
     def finish(self) -> Trace:
         """The trace so far, with totals."""

@@ -34,19 +34,23 @@ class ModelBound(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def test_a_start_no_setting_beats_is_kept(tmp_path):
+def _fit(tmp_path, tuner: PipelineTuner, steps: int) -> list[dict]:
     [path] = generate_days(tmp_path / "data", 1, 8_000, GeneratorConfig(max_vocab=1000, seed=3))
     loader = PipelinedLoader(CriteoTSV([str(path)], SIZES), 0, 1, 16, PipelineConfig(**START))
-    tuner = PipelineTuner("rl", cpus=2, memory_mb=512, window_s=0.8, min_batches=3, report_dir=str(tmp_path / "pl"))
     events.configure(tmp_path / "events.jsonl")
     try:
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=140, logger=False, enable_checkpointing=False,
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, callbacks=[tuner],
                              default_root_dir=str(tmp_path))
         trainer.fit(ModelBound(), loader)
     finally:
         events.configure(None)
-    recorded = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_start_no_setting_beats_is_kept(tmp_path):
+    tuner = PipelineTuner("rl", cpus=2, memory_mb=512, window_s=0.8, min_batches=3, report_dir=str(tmp_path / "pl"))
+    recorded = _fit(tmp_path, tuner, 140)
     decisions = [e for e in recorded if e["kind"] == "pipeline_decision"]
     [tuned] = [e for e in recorded if e["kind"] == "pipeline_tuned"]
     start = PipelineConfig(**START).short()
@@ -56,3 +60,15 @@ def test_a_start_no_setting_beats_is_kept(tmp_path):
     assert any(f"keeping the start {start}" in e["reason"] for e in decisions)
     assert tuned["start_config"] == tuned["config"] == start and tuned["kept_start"] is True
     assert tuner.trace.final == PipelineConfig(**START)
+
+
+def test_the_hill_climber_starts_from_the_configured_pipeline(tmp_path):
+    # It started from one worker per stage (r1 p1 t1 a1 q1), whatever the user configured.
+    tuner = PipelineTuner("hill_climb", cpus=2, memory_mb=512, window_s=0.2, min_batches=2,
+                          report_dir=str(tmp_path / "pl"))
+    recorded = _fit(tmp_path, tuner, 12)
+    decisions = [e for e in recorded if e["kind"] == "pipeline_decision"]
+    assert decisions and decisions[0]["config"] == PipelineConfig(**START).short()
+    # and climbs from it: its first trial is one knob +1 of the start
+    first_try = PipelineConfig(**START).replace(read=1).short()
+    assert decisions[0]["next_config"] == first_try

@@ -1,0 +1,32 @@
+"""The calibrated pipeline model (bench/bench_pipeline_scale.py's ground) and the AUTOTUNE-style baseline on it."""
+
+from lightning_dlrover.data.staged import PipelineConfig
+from lightning_dlrover.pipeline_tuner import Budget
+from lightning_dlrover.pipeline_tuner.baselines import AutotuneTuner
+from lightning_dlrover.pipeline_tuner.model import Calibration, PipelineModel
+
+CAL = Calibration(service_s={"read": 0.001, "parse": 0.04, "transform": 0.01, "assemble": 0.002},
+                  ipc_s={"parse": 0.001, "transform": 0.001}, step_s=0.005, step_cores=1.0, worker_bytes=50 << 20,
+                  batch_bytes=1 << 20, batch_size=1024, noise=0.0)
+
+
+def test_a_parse_bound_pipeline_scales_with_parse_workers_until_the_cores_are_spent():
+    model = PipelineModel(CAL, cores=16)
+    rates = [model.rate(PipelineConfig(1, p, 2, 1, 2)) for p in (1, 2, 4, 8)]
+    assert rates == sorted(rates) and rates[-1] > 3 * rates[0]
+    # on 2 cores the same workers only share the trainer's cores: no gain from 4 to 8
+    small = PipelineModel(CAL, cores=2)
+    assert small.rate(PipelineConfig(1, 8, 2, 1, 2)) <= small.rate(PipelineConfig(1, 4, 2, 1, 2)) * 1.01
+    # all inline is the serial chain: the step plus every stage
+    assert abs(model.rate(PipelineConfig(0, 0, 0, 0, 0)) - 1 / (0.005 + 0.053)) < 1e-3
+
+
+def test_autotune_gives_the_budget_to_the_costliest_stages_and_stops():
+    model, budget = PipelineModel(CAL, cores=16), Budget(cpus=15, memory_bytes=8 << 30)
+    tuner, config = AutotuneTuner(budget, ram_bytes=8 << 30), None
+    config = tuner.first()
+    for _ in range(6):
+        decision = tuner.step(model.observe(config, 2.0))
+        config = decision.config or config
+    assert tuner.done and config.total_workers == 15
+    assert config.parse == max(config.workers.values()) and config.parse >= 3 * config.transform >= 3
