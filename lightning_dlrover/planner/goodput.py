@@ -89,23 +89,28 @@ def parity_overhead(costs: JobCosts, r: int, commit_every: int) -> float:
     return r * (costs.parity_capture + costs.parity_commit / commit_every)
 
 
-def _checkpointing(save_s: float, rate_per_s: float, step_s: float) -> tuple[float, float]:
-    """``(tau, share of training time left)`` at Young's interval for failures at ``rate_per_s`` (none: inf, 1)."""
+def _checkpointing(save_s: float, rate_per_s: float, step_s: float, every_s: float | None = None) -> tuple[float, float]:
+    """``(tau, share of training time left)`` at ``every_s``, else Young's interval for failures at ``rate_per_s``
+    (none: inf, 1)."""
+    if every_s is not None:
+        return every_s, every_s / (every_s + save_s)
     if rate_per_s <= 0:
         return math.inf, 1.0
     tau = max(young_daly_interval(save_s, 1.0 / rate_per_s), step_s)
     return tau, tau / (tau + save_s)
 
 
-def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, world_size: int) -> Estimate:
-    """The expected goodput of ``candidate`` for a job of ``world_size`` ranks (see the module docs)."""
+def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, world_size: int,
+             checkpoint_every_s: float | None = None) -> Estimate:
+    """The expected goodput of ``candidate`` for a job of ``world_size`` ranks (see the module docs); checkpoints
+    every ``checkpoint_every_s`` seconds of training if given (a job's own interval), else at Young's."""
     rank_rate = failures.rank_rate(world_size) / 3600.0
     machine_rate = failures.machine_rate(world_size) / 3600.0 if world_size > 1 or failures.ranks_per_machine == 1 \
         else 0.0  # one rank on one machine: a machine loss is a rank failure (counted in rank_rate)
     total = rank_rate + machine_rate
     restart_from_checkpoint = costs.restart_s + costs.load_s
     if candidate.strategy == "checkpoint":
-        tau, kept = _checkpointing(costs.save_s, total, costs.step_s)
+        tau, kept = _checkpointing(costs.save_s, total, costs.step_s, checkpoint_every_s)
         loss = restart_from_checkpoint + (tau + costs.save_s) / 2 if total else 0.0
         return Estimate(candidate, kept * max(0.0, 1.0 - total * loss), tau, costs.step_s, total * 3600, 0.0)
     if candidate.strategy not in STRATEGIES:
@@ -121,7 +126,7 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
     machine_covered = covers_machine_loss(world_size, failures.ranks_per_machine, k, r)
     covered = [(rank_rate, 1)] + ([(machine_rate, machine_ranks)] if machine_covered else [])
     uncovered = 0.0 if machine_covered else machine_rate
-    tau, kept = _checkpointing(costs.save_s, uncovered, step)
+    tau, kept = _checkpointing(costs.save_s, uncovered, step, checkpoint_every_s if uncovered else None)
     lost_work = n * step / 2
     restart_loss = costs.restart_s + costs.decode_s * k + lost_work
     waste = uncovered * (restart_from_checkpoint + (tau + costs.save_s) / 2) if uncovered else 0.0

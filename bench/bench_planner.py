@@ -1,0 +1,141 @@
+"""The fault-tolerance planner against real drills: measured goodput under random SIGKILLs vs the planner's prediction.
+
+For each mode (checkpoints only, parity with restart recovery, parity in process with a hot spare) and kill rate,
+runs ``lightning-dlrover chaos --kills K --kill-rate R`` (a Poisson schedule of SIGKILLs of random ranks, 2 ranks,
+the chaos config's DLRM) and reads its JSON report: the drill's wall time, the fault-free wall time of the same mode
+and the kills that landed. The measured goodput is the drill's (fault-free wall / wall: the fault-free run of the
+same mode is the reference, so parity's per-step cost and the checkpoint saves are in both and only the failures
+are measured). The prediction is the planner's for the same job, mode and rate: ``estimate`` of the candidate
+(``checkpoint`` at the config's interval, ``parity-restart k1 r1 N1``, ``parity-in-process k1 r1 N1 S1``) with
+the costs the planner would use (``MEASURED_HERE``: restart, in-process recovery; the step time of the fault-free
+run; the state from the config), as ``G(rate) / G(0)``, at the kill rate the drill realised (kills landed over its
+wall time) and at the nominal one. Within 15% is the target.
+
+    PYTHONPATH=. python bench/bench_planner.py --rates 4 --kills 3 --steps 400     # about 10 minutes on 2 cores
+
+It needs ``chaos --kills`` with ``--kill-rate`` and ``--json`` (issue #23's drills); ``--chaos-path`` runs the
+chaos command of another checkout (its ``PYTHONPATH``), the planner stays this one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from lightning_dlrover.planner import Candidate, FailureModel, JobCosts, estimate
+from lightning_dlrover.planner.job import OPTIMIZER_BYTES_PER_ROW
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = {
+    "checkpoint": (Candidate("checkpoint"), ["--no-parity"]),
+    "parity-restart": (Candidate("parity-restart", 1, 1, 1), []),
+    "parity-in-process": (Candidate("parity-in-process", 1, 1, 1, 1), ["--in-process", "--spares", "1"]),
+}
+RANKS = 2
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--rates", type=float, nargs="+", default=[4.0], help="kills per minute (default: 4)")
+    parser.add_argument("--kills", type=int, default=3, help="kills per drill (default: 3)")
+    parser.add_argument("--steps", type=int, default=400, help="training steps of the job (default: 400)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--config", type=Path, default=None, help="the chaos job's config (default: chaos's own)")
+    parser.add_argument("--chaos-path", default=None, help="PYTHONPATH of the checkout whose chaos command runs")
+    parser.add_argument("--workdir", type=Path, default=Path("runs/bench_planner"))
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--reuse", action="store_true", help="reuse the drills' JSON reports already in --workdir")
+    return parser.parse_args()
+
+
+def chaos_config(args: argparse.Namespace) -> dict:
+    root = Path(args.chaos_path) if args.chaos_path else REPO
+    path = args.config or root / "lightning_dlrover" / "cli" / "configs" / "chaos.yaml"
+    return yaml.safe_load(path.read_text())
+
+
+def drill(args: argparse.Namespace, mode: str, rate: float) -> dict:
+    """One ``chaos --kills`` drill; its JSON facts."""
+    out = args.workdir / f"{mode}-{rate:g}.json"
+    if args.reuse and out.is_file():
+        return {**json.loads(out.read_text()), "bench_s": 0.0}
+    command = [sys.executable, "-m", "lightning_dlrover", "chaos", "--nodes", "1", "--nproc-per-node", str(RANKS),
+               "--kills", str(args.kills), "--kill-rate", str(rate), "--seed", str(args.seed), "--json", str(out),
+               "--workdir", str(args.workdir / f"{mode}-{rate:g}"), "--timeout", str(args.timeout),
+               *MODES[mode][1], f"--trainer.max_steps={args.steps}"]
+    env = dict(os.environ)
+    if args.chaos_path:
+        env["PYTHONPATH"] = args.chaos_path
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3 * args.timeout)
+    if not out.is_file():
+        sys.stderr.write(done.stdout[-6000:] + done.stderr[-6000:])
+        raise RuntimeError(f"drill {mode} at {rate}/min wrote no report (exit {done.returncode}); its output is above")
+    facts = json.loads(out.read_text())
+    facts["bench_s"] = time.perf_counter() - start
+    return facts
+
+
+def predict(mode: str, rate_per_min: float, facts: dict, config: dict, args: argparse.Namespace) -> float:
+    """The planner's goodput of ``mode`` at ``rate_per_min`` relative to the same job without failures."""
+    model = config["model"]
+    state = sum(r * (model["embedding_dim"] * 4 + OPTIMIZER_BYTES_PER_ROW) for r in model["num_embeddings_per_feature"])
+    step_s = facts["fault_free_wall_s"] / args.steps  # an upper bound: the fault-free wall includes the start-up
+    # launch re-spawns a used spare at once (a process start, ~15 s here), not a machine replacement
+    costs = JobCosts.estimate(step_s, state, RANKS, RANKS, launch_overhead=0.0, refill_hours=15.0 / 3600)
+    candidate = MODES[mode][0]
+    every = None
+    if mode == "checkpoint":
+        callbacks = config["trainer"].get("callbacks") or []
+        steps = next((c["init_args"].get("every_n_train_steps") for c in callbacks
+                      if c["class_path"].endswith("ModelCheckpoint")), None)
+        every = steps * step_s if steps else None
+
+    def goodput(rate: float) -> float:
+        failures = FailureModel.from_job_mtbf(1.0 / (60.0 * rate), RANKS, RANKS, machine_share=0.0) if rate else \
+            FailureModel(rank_mtbf_hours=1e12, ranks_per_machine=RANKS)
+        return estimate(candidate, costs, failures, RANKS, checkpoint_every_s=every).goodput
+
+    return goodput(rate_per_min) / goodput(0.0)
+
+
+def main() -> None:
+    args = parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    config = chaos_config(args)
+    rows = []
+    for mode in args.modes:
+        for rate in args.rates:
+            facts = drill(args, mode, rate)
+            landed, wall = facts["kills_landed"], facts["wall_s"]
+            realised = 60.0 * landed / wall if wall else 0.0
+            rows.append((mode, rate, landed, wall, facts["fault_free_wall_s"], facts["goodput"],
+                         predict(mode, realised, facts, config, args), predict(mode, rate, facts, config, args),
+                         facts["recoveries"], facts["steps_lost"]))
+            print(f"{mode} at {rate:g}/min: {landed} kills landed, goodput {facts['goodput']:.3f} "
+                  f"({facts['bench_s']:.0f} s)", file=sys.stderr, flush=True)
+    header = (f"{'mode':<19}{'rate/min':>9}{'kills':>6}{'wall s':>8}{'ref s':>7}{'measured':>9}{'predicted':>10}"
+              f"{'error':>7}{'at nominal':>11}  within 15%   recoveries, steps lost")
+    print(header)
+    print("-" * len(header))
+    for mode, rate, landed, wall, ref, measured, predicted, nominal, recoveries, lost in rows:
+        error = predicted / measured - 1 if measured else float("nan")
+        kinds = ", ".join(f"{k} {v}" for k, v in recoveries.items() if v)
+        print(f"{mode:<19}{rate:>9g}{landed:>6}{wall:>8.1f}{ref:>7.1f}{measured:>9.3f}{predicted:>10.3f}"
+              f"{error:>+7.1%}{nominal:>11.3f}  {'yes' if abs(error) <= 0.15 else 'NO':<12}{kinds}; {lost}")
+    print("measured: fault-free wall of the same mode / the drill's wall (chaos --kills --json). predicted: the "
+          "planner's G(rate) / G(0) for the mode's candidate at the realised rate (kills landed / wall), with its own "
+          "costs (restart and in-process recovery as measured here before, the step from the fault-free run); at "
+          "nominal: at --rates.")
+
+
+if __name__ == "__main__":
+    main()
