@@ -75,7 +75,9 @@ def drill(args: argparse.Namespace, mode: str, rate: float) -> dict:
     if args.chaos_path:
         env["PYTHONPATH"] = args.chaos_path
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3 * args.timeout)
+    # python -m puts the working directory first on sys.path: run from the chaos checkout
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3 * args.timeout,
+                          cwd=args.chaos_path or REPO)
     if not out.is_file():
         sys.stderr.write(done.stdout[-6000:] + done.stderr[-6000:])
         raise RuntimeError(f"drill {mode} at {rate}/min wrote no report (exit {done.returncode}); its output is above")
@@ -109,6 +111,7 @@ def predict(mode: str, rate_per_min: float, facts: dict, config: dict, args: arg
 
 def main() -> None:
     args = parse_args()
+    args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     config = chaos_config(args)
     rows = []
