@@ -3,8 +3,8 @@
 Candidates (:func:`candidates`): checkpoints only; parity ``k`` in 1, 2, 4, 8 and ``r`` in 1, 2 (``k + r`` at most
 the world size) with a commit every 1, 4, 16 or 64 steps, recovered by a restart of every worker, or in process
 with 1, 2, one machine's or two machines' worth of hot spares. :func:`make_plan` estimates each
-(:mod:`.goodput`) and picks the highest goodput; a tie goes to the cheaper setting (fewer spares, smaller ``r``,
-larger ``k``: less memory). :func:`sweep` does it for a range of world sizes (the ``plan`` command's plot).
+(:mod:`.goodput`) and picks the highest goodput; a tie (to 4 decimals) goes to the cheaper setting (fewer spares,
+smaller ``r``, larger ``k``: less memory; smaller ``N``: fewer steps trained again). :func:`sweep` does it for a range of world sizes (the ``plan`` command's plot).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def candidates(world_size: int, ranks_per_machine: int = 8, strategies: tuple[st
 
 def _cost_rank(e: Estimate) -> tuple:
     c = e.candidate
-    return (-round(e.goodput, 4), STRATEGIES.index(c.strategy), c.spares, c.r, -c.k, -c.commit_every)
+    return (-round(e.goodput, 4), STRATEGIES.index(c.strategy), c.spares, c.r, -c.k, c.commit_every)
 
 
 @dataclass(frozen=True)
