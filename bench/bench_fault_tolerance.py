@@ -125,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--malloc", choices=list(MALLOC_SETTINGS), default="tuned",
                         help="glibc malloc settings of every run (default: tuned)")
     parser.add_argument("--tmp", default="/tmp", help="parent of the temporary checkpoint directories")
+    parser.add_argument("--history", default=None,
+                        help="record the measured costs in this job history for the planner (lightning-dlrover plan "
+                             "--history, parity: auto with $LIGHTNING_DLROVER_HISTORY)")
     parser.add_argument("--quick", action="store_true",
                         help="26 x 2000 x 16 tables, 6 steps, one round, runs 3:none 3:2,1 4:2,2: a smoke test")
     # Internal: one run (this process is one rank of it; prints the result line on rank 0).
@@ -848,6 +851,39 @@ def print_runs(done: list[tuple[int, Run]]) -> None:
           f"and rank (each goes to r parity holders); saves s: median save per backend ({backends}).")
 
 
+def record_costs(runs: list[Run], args: argparse.Namespace) -> None:
+    """The costs the planner uses, per world size, into ``--history`` (key: the job's tables and batch): the step
+    without parity, parity's per-step shares at r = 1 fitted to whole-process CPU per step at two or more commit
+    intervals, a dcp save, and from the drill a decode (per source) and a dcp restore."""
+    from lightning_dlrover.advisor.history import JobHistory, resolve_url
+    from lightning_dlrover.planner import JobCosts
+    from lightning_dlrover.planner.job import PlannedJob
+
+    history = JobHistory(resolve_url(args.history))
+    try:
+        for base in (r for r in runs if r.parity is None):
+            costs: dict[str, float] = {"step_s": base.step_s_median}
+            if base.saves.get("dcp"):
+                costs["save_s"] = statistics.median(base.saves["dcp"])
+            cpu = {r.parity[2]: sum(p["timed"] for p in r.proc_cpu) for r in runs
+                   if r.devices == base.devices and r.parity is not None and r.parity[1] == 1}
+            if len(cpu) >= 2:
+                costs["parity_capture"], costs["parity_commit"] = JobCosts.fit_parity(
+                    sum(p["timed"] for p in base.proc_cpu), cpu)
+            drilled = next((r for r in runs if r.devices == base.devices and r.drill), None)
+            if drilled is not None:
+                methods = drilled.drill["methods"]
+                costs["decode_s"] = statistics.median(methods["decode"]["seconds"]) / drilled.parity[0]
+                if "dcp" in methods:
+                    costs["load_s"] = statistics.median(methods["dcp"]["seconds"])
+            job = PlannedJob(((args.rows, args.dim),) * NUM_SPARSE, base.devices, 1, args.batch)
+            history.add_costs(job.key(), costs)
+            print(f"recorded in {args.history} for {base.devices} ranks (job key {job.key()}): "
+                  + ", ".join(f"{k} {v:.4g}" for k, v in costs.items()))
+    finally:
+        history.close()
+
+
 def orchestrate(args: argparse.Namespace) -> None:
     plan = [parse_run(None, run) for run in args.runs]
     drill_at = next((i for i, (d, p) in enumerate(plan) if p is not None and (d, p.k, p.r) == (3, 2, 1)),
@@ -871,6 +907,8 @@ def orchestrate(args: argparse.Namespace) -> None:
     print_checkpointing(runs, args)
     print_drill(runs)
     print_profiles(runs)
+    if args.history:
+        record_costs(runs, args)
     print(f"\nwall {time.perf_counter() - start:.0f} s; malloc {args.malloc}; rounds {args.rounds}; "
           f"runs: {' '.join(args.runs)}")
 
