@@ -144,5 +144,10 @@ class JobRecorder:
             model.to_dict() if model else None, current.to_dict())
         path = events_path()  # the failures this job observed (recoveries since it started), for the planner
         if path is not None:
+            try:
+                found = read_events([path])
+            except (OSError, ValueError) as err:  # an unreadable events file loses the failures, not the record
+                log.warning(f"ResourceAdvisor: the job's failures are not recorded: {path}: {err}")
+                return
             world = current.nodes * current.ranks_per_node
-            self.history.add_failures(self.job_id, observed_failures(read_events([path]), self.started_at, world))
+            self.history.add_failures(self.job_id, observed_failures(found, self.started_at, world))

@@ -114,3 +114,21 @@ def test_plan_loads_neither_lightning_nor_torchrec(tmp_path):
             "print(sorted(m for m in ('lightning', 'torchrec', 'torch') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.stdout.splitlines()[-1] == "[]", out.stderr[-3000:]
+
+
+def test_the_advisors_job_record_keeps_its_failures_for_the_planner(tmp_path, monkeypatch):
+    from lightning_dlrover.advisor.config import AdvisorConfig
+    from lightning_dlrover.advisor.recorder import JobRecorder
+    from lightning_dlrover.advisor.resources import ResourceConfig
+
+    path = tmp_path / "events.jsonl"
+    monkeypatch.setenv(events.EVENTS_ENV, str(path))
+    events.emit("restored", step=3, old_world_size=2, world_size=2, lost_ranks=[1], decode_s=0.1, reshard_s=0.1)
+    history = str(tmp_path / "h.sqlite")
+    recorder = JobRecorder(AdvisorConfig(history=history))
+    recorder.started_at = 0.0
+    recorder.history = JobHistory(resolve_url(history))
+    recorder.job_id = recorder.history.start_job("run", {}, "sig", {"nodes": 1, "ranks_per_node": 2})
+    recorder.finish("recovered", None, [], None, None, ResourceConfig(nodes=1, ranks_per_node=2))
+    recorder.history.close()
+    assert read_failures(history)[0] == 1
