@@ -1,10 +1,12 @@
 """Expected goodput (useful training time over wall time) of a job under failures, per fault-tolerance strategy.
 
-First-order model (failures are rare against the time between them: ``lambda * loss << 1``). Failures arrive at
-``lambda`` per wall second (:class:`~.failures.FailureModel`); each costs its *loss* ``L``: the time to recover
-and the work trained again. Checkpoints every ``tau`` seconds of training cost ``C`` each, blocking.
+Failures arrive at ``lambda`` per wall second (:class:`~.failures.FailureModel`, Poisson); each costs its *loss*
+``L``: the time to recover and the work trained again. A failure that lands within the loss window of the previous
+one restarts it, so the share of wall time that trains is ``exp(-lambda * L)`` (the chance that no failure landed
+in the last ``L`` seconds); to first order ``1 - lambda * L``, Young's and Daly's regime (``lambda * L << 1``).
+Checkpoints every ``tau`` seconds of training cost ``C`` each, blocking.
 
-- **checkpoint** (checkpoints only): ``G = tau / (tau + C) * (1 - lambda * L)``, ``L = R_restart + R_load +
+- **checkpoint** (checkpoints only): ``G = tau / (tau + C) * exp(-lambda * L)``, ``L = R_restart + R_load +
   (tau + C) / 2``, at Young's optimal interval ``tau* = sqrt(2 * C * MTBF)`` (Young 1974; Daly 2006: the
   first-order term of his optimum), never below one step.
 - **parity-restart** (parity ``(k, r)``, a commit every ``N`` steps, every worker restarted, the lost ranks
@@ -12,7 +14,7 @@ and the work trained again. Checkpoints every ``tau`` seconds of training cost `
   step; the delta exchange and vote once per window, to ``r`` parity holders); a failure parity covers loses
   ``R_restart + R_decode * k + N * t / 2`` (``t``: the step with parity); one it cannot cover (a whole machine
   when the placement puts more than ``r`` members of a group on it) falls back to the newest checkpoint, kept
-  at Young's interval for those failures alone. ``G = 1 / (1 + o) * tau / (tau + C) * (1 - lambda_c * L_c -
+  at Young's interval for those failures alone. ``G = 1 / (1 + o) * tau / (tau + C) * exp(-lambda_c * L_c -
   lambda_u * L_u)``.
 - **parity-in-process** (the same, under ``lightning-dlrover launch`` with ``S`` hot spares): a covered failure
   costs ``R_in_process + R_decode * k + N * t / 2`` while spares last; lost ranks wait ``refill_hours`` for a replacement, so the
@@ -112,7 +114,7 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
     if candidate.strategy == "checkpoint":
         tau, kept = _checkpointing(costs.save_s, total, costs.step_s, checkpoint_every_s)
         loss = restart_from_checkpoint + (tau + costs.save_s) / 2 if total else 0.0
-        return Estimate(candidate, kept * max(0.0, 1.0 - total * loss), tau, costs.step_s, total * 3600, 0.0)
+        return Estimate(candidate, kept * math.exp(-total * loss), tau, costs.step_s, total * 3600, 0.0)
     if candidate.strategy not in STRATEGIES:
         raise ValueError(f"strategy {candidate.strategy!r} is not one of {STRATEGIES}.")
     k, r, n = candidate.k, candidate.r, candidate.commit_every
@@ -144,7 +146,7 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
         paid = world_size / (world_size + spares)
         step *= 1.0 + costs.launch_overhead
     share = sum(rate for rate, _ in covered) / total if total else 1.0
-    goodput = costs.step_s / step * kept * max(0.0, 1.0 - waste) * paid
+    goodput = costs.step_s / step * kept * math.exp(-waste) * paid
     return Estimate(candidate, goodput, tau, step, total * 3600, share)
 
 

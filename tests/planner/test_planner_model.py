@@ -25,6 +25,13 @@ def ranks_only(mtbf_hours: float = 10.0, world: int = 4) -> FailureModel:
     return FailureModel.from_job_mtbf(mtbf_hours, world, ranks_per_machine=1, machine_share=0.0)
 
 
+def test_failures_within_a_recovery_restart_it():
+    # a failure every 10 s on average, a 10 s restart: up while no failure landed in the last 10 s, exp(-1)
+    e = estimate(Candidate("parity-restart", k=1, r=1, commit_every=1), costs(restart_s=10.0, decode_s=0.0,
+                 parity_capture=0.0, parity_commit=0.0, step_s=1e-6), ranks_only(mtbf_hours=10 / 3600, world=2), 2)
+    assert e.goodput == pytest.approx(math.exp(-1), rel=1e-4)
+
+
 def test_young_daly_interval():
     assert young_daly_interval(10.0, 36000.0) == pytest.approx(848.528, rel=1e-5)  # sqrt(2 * 10 * 36000)
 
@@ -50,8 +57,8 @@ def test_checkpoint_only_goodput_by_hand():
     kept = tau / (tau + 10)  # 0.988352
     loss = 20 + 5 + (tau + 10) / 2  # restart + load + half an interval: 454.26 s
     assert e.checkpoint_every_s == pytest.approx(tau)
-    assert e.goodput == pytest.approx(kept * (1 - loss / 36000), rel=1e-9)
-    assert e.goodput == pytest.approx(0.975881, abs=1e-6)
+    assert e.goodput == pytest.approx(kept * math.exp(-loss / 36000), rel=1e-9)  # no failure in the loss window
+    assert e.goodput == pytest.approx(0.975960, abs=1e-6)
     assert e.checkpoint_every_steps == 849
 
 
@@ -60,7 +67,7 @@ def test_parity_restart_goodput_by_hand():
     step = 1 + 0.02 + 0.10 / 4  # 1.045 s
     loss = 20 + 2 * 2 + 4 * step / 2  # restart + decode from k = 2 sources + half a commit window: 26.09 s
     assert math.isinf(e.checkpoint_every_s) and e.checkpoint_every_steps is None  # every failure is covered
-    assert e.goodput == pytest.approx((1 / step) * (1 - loss / 36000), rel=1e-9)
+    assert e.goodput == pytest.approx((1 / step) * math.exp(-loss / 36000), rel=1e-9)
     assert e.goodput == pytest.approx(0.956245, abs=1e-6)
 
 
@@ -70,7 +77,7 @@ def test_parity_in_process_goodput_by_hand():
     found = math.exp(-0.1)  # ranks out of service: Poisson of mean 0.1 failures/h * 1 h; a spare is free if none
     ok, restart = 1 + 2 * 2 + 4 * step / 2, 20 + 2 * 2 + 4 * step / 2
     waste = (found * ok + (1 - found) * restart) / 36000
-    assert e.goodput == pytest.approx((1 / step) * (1 - waste) * 4 / 5, rel=1e-9)  # the spare's time is paid
+    assert e.goodput == pytest.approx((1 / step) * math.exp(-waste) * 4 / 5, rel=1e-9)  # the spare's time is paid
 
 
 @pytest.mark.parametrize("world, per_machine, k, r", [(16, 8, 2, 1), (16, 8, 1, 1), (32, 8, 2, 2), (32, 8, 3, 1),
