@@ -103,27 +103,27 @@ def recovery_times(args: argparse.Namespace, mode: str, rate: float) -> list[flo
     return out
 
 
-def calibrated(mode: str, rate: float, times: dict[tuple[str, float], list[float]]) -> tuple[float, str]:
-    """The recovery seconds the planner uses for a drill: the median clean recovery of the other drills of the same
-    recovery kind (torchrun restarts, or in-process takeovers), else the default measured here."""
-    in_process = mode == "parity-in-process"
-    others = [t for (m, r), ts in times.items() if (m, r) != (mode, rate) and (m == "parity-in-process") == in_process
-              for t in ts]
-    if others:
-        return statistics.median(others), f"{len(others)} recoveries of other drills"
-    key = "in_process_s" if in_process else "restart_s"
-    return MEASURED_HERE[key], "default"
+def calibrated(mode: str, rate: float, times: dict[tuple[str, float], list[float]]) -> tuple[dict[str, float], str]:
+    """The recovery costs the planner uses for a drill: a torchrun restart (``restart_s``) and an in-process takeover
+    (``in_process_s``), each the median clean recovery of the *other* drills of that kind, else the default measured
+    here; and where each came from."""
+    out, notes = {}, []
+    for key, in_process in (("restart_s", False), ("in_process_s", True)):
+        others = [t for (m, r), ts in times.items() if (m, r) != (mode, rate) and (m == "parity-in-process") == in_process
+                  for t in ts]
+        out[key] = statistics.median(others) if others else MEASURED_HERE[key]
+        notes.append(f"{key} {out[key]:.1f} s ({f'{len(others)} recoveries of other drills' if others else 'default'})")
+    return out, ", ".join(notes)
 
 
 def predict(mode: str, rate_per_min: float, facts: dict, config: dict, args: argparse.Namespace,
-            recovery_s: float) -> float:
+            recovery: dict[str, float]) -> float:
     """The planner's goodput of ``mode`` at ``rate_per_min`` relative to the same job without failures."""
     model = config["model"]
     state = sum(r * (model["embedding_dim"] * 4 + OPTIMIZER_BYTES_PER_ROW) for r in model["num_embeddings_per_feature"])
     step_s = facts["fault_free_wall_s"] / args.steps  # an upper bound: the fault-free wall includes the start-up
     # launch re-spawns a used spare at once (a process start, ~15 s here), not a machine replacement
-    costs = JobCosts.estimate(step_s, state, RANKS, RANKS, launch_overhead=0.0, refill_hours=15.0 / 3600,
-                              **{"in_process_s" if mode == "parity-in-process" else "restart_s": recovery_s})
+    costs = JobCosts.estimate(step_s, state, RANKS, RANKS, launch_overhead=0.0, refill_hours=15.0 / 3600, **recovery)
     candidate = MODES[mode][0]
     every = None
     if mode == "checkpoint":
@@ -160,7 +160,7 @@ def main() -> None:
         rows.append((mode, rate, landed, wall, facts["fault_free_wall_s"], facts["goodput"],
                      predict(mode, realised, facts, config, args, recovery),
                      predict(mode, rate, facts, config, args, recovery),
-                     f"recovery {recovery:.1f} s ({source}); own clean recoveries "
+                     f"{source}; own clean recoveries "
                      + "/".join(f"{t:.1f}" for t in times[mode, rate]) + f"; {facts['recoveries']}"))
     header = (f"{'mode':<19}{'rate/min':>9}{'kills':>6}{'wall s':>8}{'ref s':>7}{'measured':>9}{'predicted':>10}"
               f"{'error':>7}{'at nominal':>11}  within 15%")

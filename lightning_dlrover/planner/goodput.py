@@ -19,7 +19,8 @@ Checkpoints every ``tau`` seconds of training cost ``C`` each, blocking.
 - **parity-in-process** (the same, under ``lightning-dlrover launch`` with ``S`` hot spares): a covered failure
   costs ``R_in_process + R_decode * k + N * t / 2`` while spares last; lost ranks wait ``refill_hours`` for a replacement, so the
   ranks out are Poisson with mean ``(lost ranks per hour) * refill_hours`` and a failure taking ``n`` ranks finds
-  spares with probability ``P(Poisson <= S - n)``, else restarts. The spares' time is paid for: ``G`` is multiplied
+  spares with probability ``P(Poisson <= S - n)``, else ``launch`` restarts every worker from the newest
+  checkpoint (kept at Young's interval for those failures). The spares' time is paid for: ``G`` is multiplied
   by ``W / (W + S)``.
 
 All times in seconds; the costs are :class:`~.costs.JobCosts`.
@@ -128,11 +129,9 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
     machine_covered = covers_machine_loss(world_size, failures.ranks_per_machine, k, r)
     covered = [(rank_rate, 1)] + ([(machine_rate, machine_ranks)] if machine_covered else [])
     uncovered = 0.0 if machine_covered else machine_rate
-    tau, kept = _checkpointing(costs.save_s, uncovered, step, checkpoint_every_s if uncovered else None)
     lost_work = n * step / 2
     restart_loss = costs.restart_s + costs.decode_s * k + lost_work
-    waste = uncovered * (restart_from_checkpoint + (tau + costs.save_s) / 2) if uncovered else 0.0
-    paid = 1.0
+    waste, paid = 0.0, 1.0
     if candidate.strategy == "parity-restart":
         waste += sum(rate for rate, _ in covered) * restart_loss
     else:
@@ -142,9 +141,13 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
         out = (rank_rate + machine_rate * machine_ranks) * 3600.0 * costs.refill_hours  # mean ranks waiting
         for rate, lost in covered:
             found = _poisson_cdf(spares - lost, out)
-            waste += rate * (found * (costs.in_process_s + costs.decode_s * k + lost_work) + (1 - found) * restart_loss)
+            waste += rate * found * (costs.in_process_s + costs.decode_s * k + lost_work)
+            uncovered += rate * (1 - found)  # no spare free: launch restarts every worker from the checkpoint
         paid = world_size / (world_size + spares)
         step *= 1.0 + costs.launch_overhead
+    tau, kept = _checkpointing(costs.save_s, uncovered, step, checkpoint_every_s if uncovered else None)
+    if uncovered:
+        waste += uncovered * (restart_from_checkpoint + (tau + costs.save_s) / 2)
     share = sum(rate for rate, _ in covered) / total if total else 1.0
     goodput = costs.step_s / step * kept * math.exp(-waste) * paid
     return Estimate(candidate, goodput, tau, step, total * 3600, share)

@@ -75,9 +75,12 @@ def test_parity_in_process_goodput_by_hand():
     e = estimate(Candidate("parity-in-process", k=2, r=1, commit_every=4, spares=1), costs(), ranks_only(), 4)
     step = 1.045
     found = math.exp(-0.1)  # ranks out of service: Poisson of mean 0.1 failures/h * 1 h; a spare is free if none
-    ok, restart = 1 + 2 * 2 + 4 * step / 2, 20 + 2 * 2 + 4 * step / 2
-    waste = (found * ok + (1 - found) * restart) / 36000
-    assert e.goodput == pytest.approx((1 / step) * math.exp(-waste) * 4 / 5, rel=1e-9)  # the spare's time is paid
+    rate = 1 / 36000
+    # no spare free: launch restarts every worker from the newest checkpoint, kept at Young's interval for those
+    tau = math.sqrt(2 * 10 / (rate * (1 - found)))
+    waste = rate * found * (1 + 2 * 2 + 4 * step / 2) + rate * (1 - found) * (20 + 5 + (tau + 10) / 2)
+    assert e.checkpoint_every_s == pytest.approx(tau)
+    assert e.goodput == pytest.approx((1 / step) * tau / (tau + 10) * math.exp(-waste) * 4 / 5, rel=1e-9)  # spare paid
 
 
 @pytest.mark.parametrize("world, per_machine, k, r", [(16, 8, 2, 1), (16, 8, 1, 1), (32, 8, 2, 2), (32, 8, 3, 1),
