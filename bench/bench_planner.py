@@ -51,7 +51,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rates", type=float, nargs="+", default=[4.0], help="kills per minute (default: 4)")
     parser.add_argument("--kills", type=int, default=3, help="kills per drill (default: 3)")
     parser.add_argument("--steps", type=int, default=400, help="training steps of the job (default: 400)")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1],
+                        help="kill sequences per mode and rate; pooled (kills and walls summed) in the table")
     parser.add_argument("--config", type=Path, default=None, help="the chaos job's config (default: chaos's own)")
     parser.add_argument("--chaos-path", default=None, help="PYTHONPATH of the checkout whose chaos command runs")
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench_planner"))
@@ -66,13 +67,16 @@ def chaos_config(args: argparse.Namespace) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def drill(args: argparse.Namespace, mode: str, rate: float) -> dict:
-    """One ``chaos --kills`` drill; its JSON facts."""
-    out = args.workdir / f"{mode}-{rate:g}.json"
+def drill(args: argparse.Namespace, mode: str, rate: float, seed: int) -> dict:
+    """One ``chaos --kills`` drill (the fault-free run shared by the seeds of a mode and rate); its JSON facts, and
+    its events kept beside them."""
+    name = f"{mode}-{rate:g}" + (f"-seed{seed}" if seed != 1 else "")
+    out = args.workdir / f"{name}.json"
     if args.reuse and out.is_file():
-        return {**json.loads(out.read_text()), "bench_s": 0.0}
+        return {**json.loads(out.read_text()), "bench_s": 0.0, "name": name}
     command = [sys.executable, "-m", "lightning_dlrover", "chaos", "--nodes", "1", "--nproc-per-node", str(RANKS),
-               "--kills", str(args.kills), "--kill-rate", str(rate), "--seed", str(args.seed), "--json", str(out),
+               "--kills", str(args.kills), "--kill-rate", str(rate), "--seed", str(seed), "--json", str(out),
+               "--reuse-reference",
                "--workdir", str(args.workdir / f"{mode}-{rate:g}"), "--timeout", str(args.timeout),
                *MODES[mode][1], f"--trainer.max_steps={args.steps}"]
     env = dict(os.environ)
@@ -86,33 +90,48 @@ def drill(args: argparse.Namespace, mode: str, rate: float) -> dict:
         sys.stderr.write(done.stdout[-6000:] + done.stderr[-6000:])
         raise RuntimeError(f"drill {mode} at {rate}/min wrote no report (exit {done.returncode}); its output is above")
     facts = json.loads(out.read_text())
-    facts["bench_s"] = time.perf_counter() - start
+    facts["bench_s"], facts["name"] = time.perf_counter() - start, name
+    faulted = args.workdir / f"{mode}-{rate:g}" / "faulted" / "events.jsonl"
+    (args.workdir / f"{name}.events.jsonl").write_bytes(faulted.read_bytes())  # the next seed's drill replaces it
     return facts
 
 
-def recovery_times(args: argparse.Namespace, mode: str, rate: float) -> list[float]:
-    """Seconds from each kill of a drill to the next ``resumed`` event, for the kills no other kill followed first."""
-    events = read_events([args.workdir / f"{mode}-{rate:g}" / "faulted" / "events.jsonl"])
+def recovery_times(args: argparse.Namespace, name: str) -> list[tuple[str, float]]:
+    """``(kind, seconds)`` from each kill of a drill to the next ``resumed`` event, for the kills no other kill
+    followed first: ``in_process_s`` when a rank recovered in process in between, else a restart of every worker
+    (``launch_restart_s`` under ``launch``, ``restart_s`` under ``torchrun``)."""
+    kept = args.workdir / f"{name}.events.jsonl"
+    events = read_events([kept if kept.is_file() else args.workdir / name / "faulted" / "events.jsonl"])
     kills = [e.time for e in events if e.kind == "fault_injected"]
     resumed = [e.time for e in events if e.kind == "resumed"]
+    in_process = [e.time for e in events if e.kind == "recovered_in_process"]
     out = []
     for i, kill in enumerate(kills):
         back = next((t for t in resumed if t > kill), None)
         if back is not None and (i + 1 == len(kills) or kills[i + 1] > back):
-            out.append(back - kill)
+            restart = "launch_restart_s" if name.startswith("parity-in-process") else "restart_s"
+            kind = "in_process_s" if any(kill < t <= back for t in in_process) else restart
+            out.append((kind, back - kill))
     return out
 
 
-def calibrated(mode: str, rate: float, times: dict[tuple[str, float], list[float]]) -> tuple[dict[str, float], str]:
-    """The recovery costs the planner uses for a drill: a torchrun restart (``restart_s``) and an in-process takeover
-    (``in_process_s``), each the median clean recovery of the *other* drills of that kind, else the default measured
-    here; and where each came from."""
+def calibrated(mode: str, rate: float, times: dict[tuple[str, float], list[tuple[str, float]]]
+               ) -> tuple[dict[str, float], str]:
+    """The recovery costs the planner uses for a drill: a restart of every worker (``restart_s``) and an in-process
+    takeover (``in_process_s``), each the median of the *other* drills' clean recoveries of that kind, else the
+    default measured here; and where each came from."""
     out, notes = {}, []
-    for key, in_process in (("restart_s", False), ("in_process_s", True)):
-        others = [t for (m, r), ts in times.items() if (m, r) != (mode, rate) and (m == "parity-in-process") == in_process
-                  for t in ts]
-        out[key] = statistics.median(others) if others else MEASURED_HERE[key]
-        notes.append(f"{key} {out[key]:.1f} s ({f'{len(others)} recoveries of other drills' if others else 'default'})")
+    restarts = ("launch_restart_s", "restart_s") if mode == "parity-in-process" else ("restart_s", "launch_restart_s")
+    for key, kinds in (("restart_s", restarts), ("in_process_s", ("in_process_s",))):
+        for kind in kinds:
+            others = [t for drill_key, found in times.items() if drill_key != (mode, rate) for k, t in found if k == kind]
+            if others:
+                out[key] = statistics.median(others)
+                notes.append(f"{key} {out[key]:.1f} s ({len(others)} {kind[:-2]} recoveries of other drills)")
+                break
+        else:
+            out[key] = MEASURED_HERE[key]
+            notes.append(f"{key} {out[key]:.1f} s (default)")
     return out, ", ".join(notes)
 
 
@@ -145,23 +164,26 @@ def main() -> None:
     args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     config = chaos_config(args)
-    drills = {}
+    drills: dict[tuple[str, float], list[dict]] = {}
     for mode in args.modes:
         for rate in args.rates:
-            facts = drills[mode, rate] = drill(args, mode, rate)
-            print(f"{mode} at {rate:g}/min: {facts['kills_landed']} kills landed, goodput {facts['goodput']:.3f} "
-                  f"({facts['bench_s']:.0f} s)", file=sys.stderr, flush=True)
-    times = {key: recovery_times(args, *key) for key in drills}
+            for seed in args.seeds:
+                facts = drill(args, mode, rate, seed)
+                drills.setdefault((mode, rate), []).append(facts)
+                print(f"{mode} at {rate:g}/min, seed {seed}: {facts['kills_landed']} kills landed, goodput "
+                      f"{facts['goodput']:.3f} ({facts['bench_s']:.0f} s)", file=sys.stderr, flush=True)
+    times = {key: [t for f in runs for t in recovery_times(args, f["name"])] for key, runs in drills.items()}
     rows = []
-    for (mode, rate), facts in drills.items():
-        landed, wall = facts["kills_landed"], facts["wall_s"]
+    for (mode, rate), runs in drills.items():
+        landed, wall = sum(f["kills_landed"] for f in runs), sum(f["wall_s"] for f in runs)
+        ref = sum(f["fault_free_wall_s"] for f in runs)
         realised = 60.0 * landed / wall if wall else 0.0
         recovery, source = calibrated(mode, rate, times)
-        rows.append((mode, rate, landed, wall, facts["fault_free_wall_s"], facts["goodput"],
-                     predict(mode, realised, facts, config, args, recovery),
-                     predict(mode, rate, facts, config, args, recovery),
-                     f"{source}; own clean recoveries "
-                     + "/".join(f"{t:.1f}" for t in times[mode, rate]) + f"; {facts['recoveries']}"))
+        pooled = {"fault_free_wall_s": ref / len(runs)}
+        rows.append((mode, rate, landed, wall, ref, ref / wall, predict(mode, realised, pooled, config, args, recovery),
+                     predict(mode, rate, pooled, config, args, recovery),
+                     f"{len(runs)} drill(s), goodput each " + "/".join(f"{f['goodput']:.3f}" for f in runs)
+                     + f"; {source}; own clean recoveries " + "/".join(f"{k[:-2]} {t:.1f}" for k, t in times[mode, rate])))
     header = (f"{'mode':<19}{'rate/min':>9}{'kills':>6}{'wall s':>8}{'ref s':>7}{'measured':>9}{'predicted':>10}"
               f"{'error':>7}{'at nominal':>11}  within 15%")
     print(header)
