@@ -99,9 +99,8 @@ def drill(args: argparse.Namespace, mode: str, rate: float, seed: int) -> dict:
 def recovery_times(args: argparse.Namespace, name: str) -> list[tuple[str, float]]:
     """``(kind, seconds)`` from each kill of a drill to the next ``resumed`` event, for the kills no other kill
     followed first: ``in_process_s`` when a rank recovered in process in between, else a restart of every worker
-    (``launch_restart_s`` under ``launch``, ``restart_s`` under ``torchrun``)."""
-    kept = args.workdir / f"{name}.events.jsonl"
-    events = read_events([kept if kept.is_file() else args.workdir / name / "faulted" / "events.jsonl"])
+    (``launch_restart_s`` under ``launch``, ``restart_s`` under ``torchrun``). None without the drill's events."""
+    events = read_events([args.workdir / f"{name}.events.jsonl"])
     kills = [e.time for e in events if e.kind == "fault_injected"]
     resumed = [e.time for e in events if e.kind == "resumed"]
     in_process = [e.time for e in events if e.kind == "recovered_in_process"]
@@ -113,6 +112,31 @@ def recovery_times(args: argparse.Namespace, name: str) -> list[tuple[str, float
             kind = "in_process_s" if any(kill < t <= back for t in in_process) else restart
             out.append((kind, back - kill))
     return out
+
+
+def downtime(args: argparse.Namespace, name: str) -> float:
+    """Seconds a drill did not train: the union of the windows from each kill to the next ``resumed`` event."""
+    events = read_events([args.workdir / f"{name}.events.jsonl"])
+    resumed = [e.time for e in events if e.kind == "resumed"]
+    total, until = 0.0, -1.0
+    for kill in sorted(e.time for e in events if e.kind == "fault_injected"):
+        back = next((t for t in resumed if t > kill), events[-1].time)
+        start = max(kill, until)
+        total += max(back - start, 0.0)
+        until = max(until, back)
+    return total
+
+
+def events_goodput(args: argparse.Namespace, facts: dict) -> float | None:
+    """The drill's goodput from its own events, immune to a load that changed since its fault-free run: wall time
+    less the time it did not train and the steps it trained again (at its own step time), over wall time. None when
+    its events were not kept."""
+    if not (args.workdir / f"{facts['name']}.events.jsonl").is_file():
+        return None
+    down = downtime(args, facts["name"])
+    lost = facts["steps_lost"] or 0
+    step = (facts["wall_s"] - down) / (args.steps + lost)
+    return (facts["wall_s"] - down - lost * step) / facts["wall_s"]
 
 
 def calibrated(mode: str, rate: float, times: dict[tuple[str, float], list[tuple[str, float]]]
@@ -180,21 +204,28 @@ def main() -> None:
         realised = 60.0 * landed / wall if wall else 0.0
         recovery, source = calibrated(mode, rate, times)
         pooled = {"fault_free_wall_s": ref / len(runs)}
-        rows.append((mode, rate, landed, wall, ref, ref / wall, predict(mode, realised, pooled, config, args, recovery),
+        kept = [(events_goodput(args, f), f["wall_s"]) for f in runs]
+        kept = [(g, w) for g, w in kept if g is not None]
+        by_events = sum(g * w for g, w in kept) / sum(w for _, w in kept) if kept else float("nan")
+        rows.append((mode, rate, landed, wall, ref, ref / wall, by_events,
+                     predict(mode, realised, pooled, config, args, recovery),
                      predict(mode, rate, pooled, config, args, recovery),
-                     f"{len(runs)} drill(s), goodput each " + "/".join(f"{f['goodput']:.3f}" for f in runs)
+                     f"{len(runs)} drill(s) ({len(kept)} with events), ref/wall each "
+                     + "/".join(f"{f['goodput']:.3f}" for f in runs)
                      + f"; {source}; own clean recoveries " + "/".join(f"{k[:-2]} {t:.1f}" for k, t in times[mode, rate])))
-    header = (f"{'mode':<19}{'rate/min':>9}{'kills':>6}{'wall s':>8}{'ref s':>7}{'measured':>9}{'predicted':>10}"
-              f"{'error':>7}{'at nominal':>11}  within 15%")
+    header = (f"{'mode':<19}{'rate/min':>9}{'kills':>6}{'wall s':>8}{'ref s':>7}{'ref/wall':>9}{'events':>8}"
+              f"{'predicted':>10}{'error':>7}{'at nominal':>11}  within 15%")
     print(header)
     print("-" * len(header))
-    for mode, rate, landed, wall, ref, measured, predicted, nominal, note in rows:
+    for mode, rate, landed, wall, ref, by_ref, measured, predicted, nominal, note in rows:
         error = predicted / measured - 1 if measured else float("nan")
-        print(f"{mode:<19}{rate:>9g}{landed:>6}{wall:>8.1f}{ref:>7.1f}{measured:>9.3f}{predicted:>10.3f}"
+        print(f"{mode:<19}{rate:>9g}{landed:>6}{wall:>8.1f}{ref:>7.1f}{by_ref:>9.3f}{measured:>8.3f}{predicted:>10.3f}"
               f"{error:>+7.1%}{nominal:>11.3f}  {'yes' if abs(error) <= 0.15 else 'NO'}")
     for mode, rate, *_, note in rows:
         print(f"  {mode} at {rate:g}/min: {note}")
-    print("measured: fault-free wall of the same mode / the drill's wall (chaos --kills --json). predicted: the "
+    print("ref/wall: fault-free wall of the same mode / the drill's wall (chaos --kills --json; off when the load "
+          "changed between the two runs); events: the drill's own (wall - time from each kill to the next resumed - "
+          "steps trained again) / wall; error: predicted against events. predicted: the "
           "planner's G(rate) / G(0) for the mode's candidate at the realised rate (kills landed / wall), recovery "
           "times from the other drills' events (leave-one-out), the step from the fault-free run; at nominal: at "
           "--rates.")
