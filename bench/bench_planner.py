@@ -198,7 +198,11 @@ def main() -> None:
                       f"{facts['goodput']:.3f} ({facts['bench_s']:.0f} s)", file=sys.stderr, flush=True)
     times = {key: [t for f in runs for t in recovery_times(args, f["name"])] for key, runs in drills.items()}
     rows = []
-    for (mode, rate), runs in drills.items():
+    for (mode, rate), every in drills.items():
+        runs = [f for f in every if f["kills_landed"]]  # a drill the job outran measured no failure
+        if not runs:
+            print(f"  {mode} at {rate:g}/min: no drill had a kill land", file=sys.stderr)
+            continue
         landed, wall = sum(f["kills_landed"] for f in runs), sum(f["wall_s"] for f in runs)
         ref = sum(f["fault_free_wall_s"] for f in runs)
         realised = 60.0 * landed / wall if wall else 0.0
@@ -210,7 +214,8 @@ def main() -> None:
         rows.append((mode, rate, landed, wall, ref, ref / wall, by_events,
                      predict(mode, realised, pooled, config, args, recovery),
                      predict(mode, rate, pooled, config, args, recovery),
-                     f"{len(runs)} drill(s) ({len(kept)} with events), ref/wall each "
+                     f"{len(runs)} drill(s) with kills ({len(kept)} with events; {len(every) - len(runs)} without a kill "
+                     "left out), ref/wall each "
                      + "/".join(f"{f['goodput']:.3f}" for f in runs)
                      + f"; {source}; own clean recoveries " + "/".join(f"{k[:-2]} {t:.1f}" for k, t in times[mode, rate])))
     header = (f"{'mode':<19}{'rate/min':>9}{'kills':>6}{'wall s':>8}{'ref s':>7}{'ref/wall':>9}{'events':>8}"
