@@ -59,6 +59,7 @@ import json
 import logging
 import os
 import pstats
+import resource
 import shutil
 import statistics
 import subprocess
@@ -124,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--malloc", choices=list(MALLOC_SETTINGS), default="tuned",
                         help="glibc malloc settings of every run (default: tuned)")
     parser.add_argument("--tmp", default="/tmp", help="parent of the temporary checkpoint directories")
+    parser.add_argument("--history", default=None,
+                        help="record the measured costs in this job history for the planner (lightning-dlrover plan "
+                             "--history, parity: auto with $LIGHTNING_DLROVER_HISTORY)")
     parser.add_argument("--quick", action="store_true",
                         help="26 x 2000 x 16 tables, 6 steps, one round, runs 3:none 3:2,1 4:2,2: a smoke test")
     # Internal: one run (this process is one rank of it; prints the result line on rank 0).
@@ -139,7 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.runs = ["3:none", "3:2,1", "4:2,2"]
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
-    for run in args.runs:
+    for run in [] if args.variant else args.runs:  # a rank checks only its own run (the default runs are not its)
         devices, parity = parse_run(parser, run)
         if args.batch % devices:
             parser.error(f"--batch {args.batch} is not divisible by {devices} ranks (run {run})")
@@ -199,6 +203,12 @@ def remove(strategy: DLRoverStrategy, path: Path) -> None:
     strategy.barrier()
 
 
+def process_cpu() -> float:
+    """CPU seconds of this whole process so far (every thread, user + system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def instrument(obj: Any, name: str, label: str, cpu: dict[str, float], timer: Any = None) -> bool:
     """Replaces method ``name`` of ``obj`` by an instance attribute that adds its CPU seconds (the whole
     process: every thread) to ``cpu[label]`` and, given a ``StepTimer``, its wall time to section ``label``.
@@ -242,12 +252,16 @@ class Bench(pl.Callback):
     profile: cProfile.Profile | None = None
     capture_timed: bool = False
     _resume: float = 0.0
+    #: Whole-process CPU seconds (``getrusage(RUSAGE_SELF)``: every thread, user + system) at the start of training
+    #: (imports, model, sharding, parity encode), at the first timed step and at the last.
+    rusage_marks: dict[str, float] = field(default_factory=dict)
 
     @property
     def timed_steps(self) -> int:
         return self.args.warmup + self.args.steps
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.rusage_marks["train_start"] = process_cpu()
         strategy = trainer.strategy
         if strategy.fault.coded is not None:
             self.capture_timed = instrument(strategy.fault.coded.state, "_touch", "capture", self._cpu, strategy.step_timer)
@@ -272,7 +286,10 @@ class Bench(pl.Callback):
             self.cpu_sections.append(cpu_sections)
             self.delta_bytes.append(self._delta_bytes)
         self._delta_bytes = 0
+        if step == self.args.warmup:
+            self.rusage_marks["timed_start"] = process_cpu()
         if step == self.timed_steps:
+            self.rusage_marks["timed_end"] = process_cpu()
             self._after_timed_steps(trainer)
         elif step > self.timed_steps and trainer.strategy.fault.coded is None and self.args.saves:
             self._save(trainer, step - self.timed_steps - 1)
@@ -457,6 +474,9 @@ def report(trainer: pl.Trainer, args: argparse.Namespace, parity: ParityConfig |
         f"cpu_{name}": sum(s.get(name, 0.0) for s in bench.cpu_sections[warm]) / n for name in ("parity", "capture")
     })
     local["cpu_step"] = statistics.fmean(bench.cpu_steps[warm])
+    marks = bench.rusage_marks
+    local["proc_cpu"] = {"setup": marks["train_start"], "timed": (marks["timed_end"] - marks["timed_start"]) / n,
+                         "total": process_cpu()}
     local["delta_bytes"] = statistics.fmean(bench.delta_bytes[warm])
     gathered: list[dict[str, float]] = [None] * trainer.world_size  # type: ignore[list-item]
     dist.all_gather_object(gathered, local)
@@ -482,6 +502,7 @@ def report(trainer: pl.Trainer, args: argparse.Namespace, parity: ParityConfig |
         "cpu_parity_s": [g["cpu_parity"] for g in gathered],
         "cpu_capture_s": [g["cpu_capture"] for g in gathered],
         "delta_bytes": [g["delta_bytes"] for g in gathered],
+        "proc_cpu": [g["proc_cpu"] for g in gathered],
         "capture_timed": bench.capture_timed,
         "saves": bench.saves,
         "profile": profile,
@@ -523,7 +544,9 @@ class Run:
     profile: str | None
     profile_steps: int
     drill: dict[str, Any] | None
+    proc_cpu: list[dict[str, float]] = field(default_factory=list)  # per rank: setup, timed (per step), total s
     wall_s: float = 0.0
+    tree_cpu_s: float = 0.0  # CPU of the run's whole process tree, from the parent (RUSAGE_CHILDREN)
     rounds: int = 1
 
     @property
@@ -592,9 +615,10 @@ def run_variant(args: argparse.Namespace, devices: int, parity: ParityConfig | N
     env = dict(os.environ)
     if MALLOC_SETTINGS[args.malloc] is not None:
         env["GLIBC_TUNABLES"] = MALLOC_SETTINGS[args.malloc]
-    start = time.perf_counter()
+    start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(command, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - start
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    tree_cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_TAG)]
     if done.returncode or not lines:
         sys.stderr.write(done.stdout + done.stderr)
@@ -602,7 +626,7 @@ def run_variant(args: argparse.Namespace, devices: int, parity: ParityConfig | N
                            "its output is above.")
     result = json.loads(lines[-1].removeprefix(RESULT_TAG))
     result["parity"] = tuple(result["parity"]) if result["parity"] else None
-    return Run(**result, wall_s=wall)
+    return Run(**result, wall_s=wall, tree_cpu_s=tree_cpu)
 
 
 def pct(x: float) -> str:
@@ -642,6 +666,37 @@ def print_throughput(runs: list[Run], args: argparse.Namespace) -> None:
           "% cpu: their ratio (means over ranks). With more ranks than cores, wall sections include waiting for "
           "the other ranks' CPU share. KiB/step: row-delta bytes a rank sends per step (kNrM: a commit every N steps, "
           "deltas of a row touched several times in the window sent once; targets at N = 16: 5% at r = 1, 8% at r = 2).")
+
+
+def print_process_cpu(runs: list[Run]) -> None:
+    """Whole-process CPU beside the section timers: what the job as a whole pays, not only the timed sections."""
+    print("\n1b. Whole-process CPU (getrusage: every thread of every rank, user + system), beside the section timers; "
+          "sums over ranks.")
+    header = (f"{'ranks':>5}  {'parity':<9}{'tree s':>8}{'x none':>8}{'ranks s':>9}{'setup s':>9}{'x none':>8}"
+              f"{'step ms':>9}{'x none':>8}{'sect ms':>9}{'other ms':>9}")
+    print(header)
+    print("-" * len(header))
+    for run in runs:
+        base = next((r for r in runs if r.devices == run.devices and r.parity is None), None)
+        total = sum(p["total"] for p in run.proc_cpu)
+        setup = sum(p["setup"] for p in run.proc_cpu)
+        step = 1000 * sum(p["timed"] for p in run.proc_cpu)
+        sect = 1000 * sum(p + c for p, c in zip(run.cpu_parity_s, run.cpu_capture_s)) if run.parity else 0.0
+        if base is not None:
+            b_setup = sum(p["setup"] for p in base.proc_cpu)
+            b_step = 1000 * sum(p["timed"] for p in base.proc_cpu)
+            ratios = (f"{run.tree_cpu_s / base.tree_cpu_s:.3f}", f"{setup / b_setup:.3f}", f"{step / b_step:.3f}")
+            other = f"{step - b_step - sect:.1f}" if run.parity else "-"
+        else:
+            ratios, other = ("-", "-", "-"), "-"
+        print(f"{run.devices:>5}  {run.label:<9}{run.tree_cpu_s:>8.1f}{ratios[0]:>8}{total:>9.1f}{setup:>9.1f}"
+              f"{ratios[1]:>8}{step:>9.1f}{ratios[2]:>8}{sect:>9.1f}{other:>9}")
+    print("tree s: CPU of the run's whole process tree (the parent's RUSAGE_CHILDREN; start-up, training, the extra "
+          "steps for saves/profiles, the drill); ranks s: the ranks' own CPU at exit; setup s: before the first "
+          "step (imports, model, sharding, parity encode); step ms: CPU per timed step; sect ms: the parity + capture "
+          "sections' CPU per step; other ms: step ms - the no-parity step ms - sect ms (parity's cost outside its "
+          "sections). A whole-job ratio is (setup + steps x step) / the same without parity: at 100 steps the fixed "
+          "setup dominates.")
 
 
 def overhead_rows(runs: list[Run], args: argparse.Namespace) -> list[tuple[int, str, str, float | None, float, str]]:
@@ -771,7 +826,9 @@ def merge(runs: list[Run]) -> Run:
         profile=next((r.profile for r in runs if r.profile), None),
         profile_steps=next((r.profile_steps for r in runs if r.profile), 0),
         drill=next((r.drill for r in runs if r.drill), None),
-        wall_s=sum(r.wall_s for r in runs), rounds=len(runs),
+        proc_cpu=[{key: statistics.fmean(r.proc_cpu[rank][key] for r in runs) for key in runs[0].proc_cpu[rank]}
+                  for rank in range(len(first.proc_cpu))],
+        wall_s=sum(r.wall_s for r in runs), tree_cpu_s=statistics.fmean(r.tree_cpu_s for r in runs), rounds=len(runs),
     )
 
 
@@ -794,6 +851,39 @@ def print_runs(done: list[tuple[int, Run]]) -> None:
           f"and rank (each goes to r parity holders); saves s: median save per backend ({backends}).")
 
 
+def record_costs(runs: list[Run], args: argparse.Namespace) -> None:
+    """The costs the planner uses, per world size, into ``--history`` (key: the job's tables and batch): the step
+    without parity, parity's per-step shares at r = 1 fitted to whole-process CPU per step at two or more commit
+    intervals, a dcp save, and from the drill a decode (per source) and a dcp restore."""
+    from lightning_dlrover.advisor.history import JobHistory, resolve_url
+    from lightning_dlrover.planner import JobCosts
+    from lightning_dlrover.planner.job import PlannedJob
+
+    history = JobHistory(resolve_url(args.history))
+    try:
+        for base in (r for r in runs if r.parity is None):
+            costs: dict[str, float] = {"step_s": base.step_s_median}
+            if base.saves.get("dcp"):
+                costs["save_s"] = statistics.median(base.saves["dcp"])
+            cpu = {r.parity[2]: sum(p["timed"] for p in r.proc_cpu) for r in runs
+                   if r.devices == base.devices and r.parity is not None and r.parity[1] == 1}
+            if len(cpu) >= 2:
+                costs["parity_capture"], costs["parity_commit"] = JobCosts.fit_parity(
+                    sum(p["timed"] for p in base.proc_cpu), cpu)
+            drilled = next((r for r in runs if r.devices == base.devices and r.drill), None)
+            if drilled is not None:
+                methods = drilled.drill["methods"]
+                costs["decode_s"] = statistics.median(methods["decode"]["seconds"]) / drilled.parity[0]
+                if "dcp" in methods:
+                    costs["load_s"] = statistics.median(methods["dcp"]["seconds"])
+            job = PlannedJob(((args.rows, args.dim),) * NUM_SPARSE, base.devices, 1, args.batch)
+            history.add_costs(job.key(), costs)
+            print(f"recorded in {args.history} for {base.devices} ranks (job key {job.key()}): "
+                  + ", ".join(f"{k} {v:.4g}" for k, v in costs.items()))
+    finally:
+        history.close()
+
+
 def orchestrate(args: argparse.Namespace) -> None:
     plan = [parse_run(None, run) for run in args.runs]
     drill_at = next((i for i, (d, p) in enumerate(plan) if p is not None and (d, p.k, p.r) == (3, 2, 1)),
@@ -813,9 +903,12 @@ def orchestrate(args: argparse.Namespace) -> None:
     runs = [merge(by_run[i]) for i in range(len(plan))]
     print_runs(done)
     print_throughput(runs, args)
+    print_process_cpu(runs)
     print_checkpointing(runs, args)
     print_drill(runs)
     print_profiles(runs)
+    if args.history:
+        record_costs(runs, args)
     print(f"\nwall {time.perf_counter() - start:.0f} s; malloc {args.malloc}; rounds {args.rounds}; "
           f"runs: {' '.join(args.runs)}")
 

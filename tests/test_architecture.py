@@ -18,7 +18,7 @@ LAYERS = {
     "_lazy": 0, "worker_env": 0, "control_plane": 0, "log": 0, "torchrec_glue": 0, "lightning_glue": 0,
     "parity": 0, "checkpoint": 0, "data": 0, "models": 0, "monitor": 0,
     # middle: fault tolerance and the tuning add-ons
-    "fault": 1, "elastic": 1, "pipeline_tuner": 1, "advisor": 1, "export": 1,
+    "fault": 1, "elastic": 1, "pipeline_tuner": 1, "advisor": 1, "export": 1, "planner": 1,
     # top: the Lightning strategy and the command lines
     "strategy": 2, "cli": 2, "_registration": 2, "__init__": 2, "__main__": 2,
 }
@@ -30,6 +30,8 @@ SIDEWAYS = {
     ("pipeline_tuner", "data"),  # the tuner drives the staged loader
     ("advisor", "pipeline_tuner"),  # the advisor hands the tuner its CPU budget
     ("advisor", "elastic"),  # ... and the scaler its batch
+    ("fault", "planner"),  # ParityConfig.auto: the planner's pick
+    ("planner", "advisor"),  # the planner reads observed failures and measured costs from the job history
     ("cli", "strategy"),
     ("__init__", "strategy"), ("__init__", "cli"), ("__init__", "_registration"), ("_registration", "strategy"),
     ("__main__", "cli"),

@@ -92,6 +92,26 @@ measurements = sa.Table(
     sa.Column("cores_available", sa.Float),  # cores per node not taken by other programs while measured
 )
 
+failures = sa.Table(
+    "dlrover_failures", metadata,  # version 3: failures a job observed (its fault events), for the planner
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("job_id", sa.Integer, sa.ForeignKey("dlrover_jobs.id"), nullable=False, index=True),
+    sa.Column("time", sa.Float, nullable=False),
+    sa.Column("kind", sa.String(40), nullable=False),  # the fault event: restored, recovered_in_process, fallback
+    sa.Column("world_size", sa.Integer, nullable=False),
+    sa.Column("lost_ranks", sa.Integer, nullable=False),
+    sa.Column("recovery_s", sa.Float),
+)
+costs = sa.Table(
+    "dlrover_costs", metadata,  # version 3: fault-tolerance costs measured on a job, by the planner's job key
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("job_key", sa.String(64), nullable=False, index=True),
+    sa.Column("time", sa.Float, nullable=False),
+    sa.Column("name", sa.String(40), nullable=False),
+    sa.Column("value", sa.Float, nullable=False),
+)
+
+
 def _migrate_1(conn: Connection) -> None:
     """Version 1: jobs with signature, resources, outcome and end-of-run measurements."""
     sa.Table("dlrover_jobs", sa.MetaData(), *_job_columns(1)).create(conn, checkfirst=True)
@@ -104,8 +124,14 @@ def _migrate_2(conn: Connection) -> None:
     measurements.create(conn, checkfirst=True)
 
 
+def _migrate_3(conn: Connection) -> None:
+    """Version 3: observed failures and measured fault-tolerance costs (the planner's inputs)."""
+    failures.create(conn, checkfirst=True)
+    costs.create(conn, checkfirst=True)
+
+
 #: Migrations from version ``i`` to ``i + 1`` are ``MIGRATIONS[i]``; the schema version is ``len(MIGRATIONS)``.
-MIGRATIONS: list[Callable[[Connection], None]] = [_migrate_1, _migrate_2]
+MIGRATIONS: list[Callable[[Connection], None]] = [_migrate_1, _migrate_2, _migrate_3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -220,6 +246,41 @@ class JobHistory:
             query = query.where(measurements.c.job_id.in_(list(job_ids)))
         with self.engine.begin() as conn:
             return [dict(row) for row in conn.execute(query).mappings().all()]
+
+    def add_failures(self, job_id: int, rows: Iterable[dict[str, Any]]) -> None:
+        """Records failures a job observed (keys: ``time``, ``kind``, ``world_size``, ``lost_ranks``, ``recovery_s``)."""
+        rows = [{**row, "job_id": job_id} for row in rows]
+        if rows:
+            with self.engine.begin() as conn:
+                conn.execute(failures.insert(), rows)
+
+    def failures(self) -> list[dict[str, Any]]:
+        """Every recorded failure, oldest first."""
+        with self.engine.begin() as conn:
+            return [dict(r) for r in conn.execute(sa.select(failures).order_by(failures.c.id)).mappings().all()]
+
+    def rank_hours(self) -> float:
+        """Hours every recorded job's ranks ran (start to last update, times its ranks): the failures' exposure."""
+        total = 0.0
+        for job in self.jobs():
+            ranks = int(job.resources.get("nodes", 1)) * int(job.resources.get("ranks_per_node", 1))
+            total += max(job.updated_at - job.started_at, 0.0) / 3600.0 * ranks
+        return total
+
+    def add_costs(self, job_key: str, values: dict[str, float]) -> None:
+        """Records fault-tolerance costs measured on a job (name -> value, as :class:`~lightning_dlrover.planner.JobCosts`
+        names them)."""
+        now = time.time()
+        if values:
+            with self.engine.begin() as conn:
+                conn.execute(costs.insert(), [{"job_key": job_key, "time": now, "name": name, "value": float(value)}
+                                              for name, value in values.items()])
+
+    def costs(self, job_key: str) -> dict[str, float]:
+        """The newest recorded value of each cost of ``job_key``."""
+        query = sa.select(costs).where(costs.c.job_key == job_key).order_by(costs.c.id)
+        with self.engine.begin() as conn:
+            return {row["name"]: row["value"] for row in conn.execute(query).mappings().all()}
 
     def close(self) -> None:
         self.engine.dispose()

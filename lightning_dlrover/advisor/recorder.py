@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchS
 from lightning_dlrover.advisor.signature import JobSignature, signature_of
 from lightning_dlrover.advisor.warmstart import warm_start
 from lightning_dlrover.log import get_logger, rank_zero_report
+from lightning_dlrover.monitor.events import Event, events_path, read_events
 
 if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
     from torch import nn
@@ -25,6 +27,26 @@ if TYPE_CHECKING:  # SQLAlchemy is imported where a history is opened
     from lightning_dlrover.advisor.history import JobHistory
 
 log = get_logger(__name__)
+
+#: Fault events that mean a failure was observed (rank 0 writes one per recovery).
+FAILURE_EVENTS = ("restored", "recovered_in_process", "fallback")
+
+
+def observed_failures(events: list[Event], since: float, world_size: int) -> list[dict[str, Any]]:
+    """History rows (:meth:`JobHistory.add_failures`) of the failures among ``events`` at or after ``since``: one per
+    recovery, as rank 0 recorded it, with the ranks lost and the recovery's seconds."""
+    rows = []
+    for event in events:
+        if event.kind not in FAILURE_EVENTS or event.rank not in (0, -1) or event.time < since:
+            continue
+        f = event.fields
+        recovery = {"recovered_in_process": (f.get("restored_at") or 0.0) - (f.get("lost_at") or 0.0),
+                    "restored": (f.get("decode_s") or 0.0) + (f.get("reshard_s") or 0.0),
+                    "fallback": f.get("load_s")}[event.kind]
+        lost = f.get("lost_ranks")
+        rows.append({"time": event.time, "kind": event.kind, "world_size": world_size,
+                     "lost_ranks": len(lost) if isinstance(lost, list) else 1, "recovery_s": recovery})
+    return rows
 
 
 class JobRecorder:
@@ -38,6 +60,8 @@ class JobRecorder:
         #: The warm start's model and the past jobs' observations it was fitted on (rank 0).
         self.prior: PerformanceModel | None = None
         self.past_observations: list[Observation] = []
+        #: When this process's job began (a restarted job's restore happens in its set-up, before the first batch).
+        self.started_at = time.time()
 
     def reset(self) -> None:
         """Forgets the last fit's record and warm start (the history stays open)."""
@@ -118,3 +142,12 @@ class JobRecorder:
             max(r.peak_rss_bytes for r in summary.ranks) if summary else None,
             recommendation.best.config.to_dict() if recommendation else None,
             model.to_dict() if model else None, current.to_dict())
+        path = events_path()  # the failures this job observed (recoveries since it started), for the planner
+        if path is not None:
+            try:
+                found = read_events([path])
+            except (OSError, ValueError) as err:  # an unreadable events file loses the failures, not the record
+                log.warning(f"ResourceAdvisor: the job's failures are not recorded: {path}: {err}")
+                return
+            world = current.nodes * current.ranks_per_node
+            self.history.add_failures(self.job_id, observed_failures(found, self.started_at, world))

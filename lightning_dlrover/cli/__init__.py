@@ -1,5 +1,5 @@
 """``lightning-dlrover``: ``fit`` (and the other LightningCLI subcommands) for the DLRM, ``launch``, a launcher that
-recovers lost ranks in process, ``export``, a checkpoint as an unsharded model for serving, ``chaos``, a node-loss drill, ``advise``, resource advice, ``simulate``, the multi-job
+recovers lost ranks in process, ``export``, a checkpoint as an unsharded model for serving, ``chaos``, a node-loss drill, ``advise``, resource advice, ``plan``, the fault-tolerance plan, ``simulate``, the multi-job
 simulator, ``gen-criteo``, Criteo-format TSV test data, and ``profile``, the measurement the simulator uses.
 
 ``lightning-dlrover --help`` lists them all (:data:`COMMANDS`) without importing Lightning or TorchRec."""
@@ -42,6 +42,9 @@ COMMANDS: dict[str, Command] = {
                      "lightning-dlrover chaos --nodes 2 --kill-node 0 --at-step 12 --replace"),
     "advise": Command("lightning_dlrover.cli.advise", "list the job history and recommend resources for a job",
                       "lightning-dlrover advise --config configs/demo.yaml"),
+    "plan": Command("lightning_dlrover.cli.plan",
+                    "choose parity, commit interval, checkpoints and spares for a job; its goodput at 8-4096 ranks",
+                    "lightning-dlrover plan --config configs/benchmark.yaml --ranks 1024 --plot goodput.png"),
     "simulate": Command("lightning_dlrover.cli.simulate", "replay a trace of jobs on a cluster under several policies",
                         "lightning-dlrover simulate --trace synthetic --devices 32 --plot sim.png"),
     "gen-criteo": Command("lightning_dlrover.cli.gen_criteo", "write synthetic Criteo-format TSV day files",

@@ -39,7 +39,7 @@ from lightning_dlrover.log import get_logger, quiet_known_warnings
 from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV
-from lightning_dlrover.strategy import in_process, process_exit
+from lightning_dlrover.strategy import auto_parity, in_process, process_exit
 from lightning_dlrover.strategy.launcher import validate_trainer_addons
 from lightning_dlrover.strategy.sharding import (
     CPU_DEFAULT_SHARDING_TYPES,
@@ -69,7 +69,8 @@ class DLRoverStrategy(DDPStrategy):
             in-backward optimizer inside the kernel).
         constraints: per-table planner constraints, keyed by table name.
         checkpoint_backend: ``"dcp"`` (``torch.distributed.checkpoint``) or ``"torchsnapshot"``.
-        parity: erasure-code the embedding shards and their optimizer state across ranks (``None``: off).
+        parity: erasure-code the embedding shards and their optimizer state across ranks (``None``: off; ``"auto"``:
+            the fault-tolerance planner picks ``k``, ``r`` and the commit interval at set-up, see :mod:`.auto_parity`).
         print_digest: at the end of ``fit``, print ``state digest: <sha256>`` of the whole training state
             on rank 0 (a collective over all shards; costs one pass over the state).
         init_from: an export directory (``lightning-dlrover export --out DIR``: its ``model.pt``, the unsharded
@@ -88,7 +89,7 @@ class DLRoverStrategy(DDPStrategy):
         compute_kernel: str = "fused",
         constraints: dict[str, TableConstraint] | None = None,
         checkpoint_backend: Literal["dcp", "torchsnapshot"] = "dcp",
-        parity: ParityConfig | None = None,
+        parity: ParityConfig | Literal["auto"] | None = None,
         print_digest: bool = True,
         init_from: str | Path | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -117,7 +118,7 @@ class DLRoverStrategy(DDPStrategy):
         self.checkpoint_backend = get_backend(checkpoint_backend)
         self.print_digest = print_digest
         self.init_from = export_directory(init_from) if init_from is not None else None
-        self.parity = ParityConfig(**parity) if isinstance(parity, dict) else parity
+        self.parity = ParityConfig.from_option(parity)  # "auto": the planner picks at set-up (auto_parity.resolve)
         self.step_timer = StepTimer()
         self.fault = FaultManager(self.parity, self.step_timer)
         self._dmp: DistributedModelParallel | None = None
@@ -193,6 +194,7 @@ class DLRoverStrategy(DDPStrategy):
                 "Increase the data module's batch size instead."
             )
         if not self._started:
+            self.parity = self.fault.parity = auto_parity.resolve(self, trainer)
             self._check_elastic_range(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model = self._dmp if self._dmp is not None else self._shard(self.lightning_module)
@@ -286,6 +288,7 @@ class DLRoverStrategy(DDPStrategy):
         device_type = device_type or self.root_device.type
         tables = check_module(module, self.compute_kernel, device_type)
         check_parity_optimizers(module, self.parity is not None)
+        auto_parity.check(self.parity, self.world_size, module)
         backend = backend or self._get_process_group_backend()
         backend = FaultManager.transport(backend)
         check_device(device_type, backend, self.parity is not None, FaultManager.under_launch())

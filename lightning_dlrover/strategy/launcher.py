@@ -40,5 +40,8 @@ def validate_addons(callbacks: Iterable[object], world_size: int) -> None:
 
 
 def validate_trainer_addons(trainer: pl.Trainer) -> None:
-    """:func:`validate_addons` of the trainer's callbacks at its world size."""
+    """:func:`validate_addons` of the trainer's callbacks at its world size, and ``parity="auto"`` at that size."""
+    from lightning_dlrover.strategy.auto_parity import check
+
+    check(getattr(trainer.strategy, "parity", None), trainer.world_size)
     validate_addons(trainer.callbacks, trainer.world_size)

@@ -10,7 +10,7 @@ from pathlib import Path
 from tests.conftest import REPO
 
 CONSOLE_SCRIPT = str(Path(sys.executable).parent / "lightning-dlrover")
-SUBCOMMANDS = ["fit", "validate", "test", "predict", "export", "launch", "chaos", "advise", "simulate", "gen-criteo", "profile"]
+SUBCOMMANDS = ["fit", "validate", "test", "predict", "export", "launch", "chaos", "advise", "plan", "simulate", "gen-criteo", "profile"]
 LIGHTNING = {"fit", "validate", "test", "predict"}
 
 

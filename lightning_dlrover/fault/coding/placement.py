@@ -51,6 +51,28 @@ class ParityConfig:
             raise ValueError(f"parity.overlap={self.overlap!r} must be true or false.")
 
     @classmethod
+    def auto(cls, world_size: int, state_bytes: float, step_s: float, ranks_per_machine: int = 8,
+             mtbf_hours: float | None = None, measured: dict[str, float] | None = None) -> ParityConfig | None:
+        """The fault-tolerance planner's pick for a job (:func:`lightning_dlrover.planner.plan.plan_job`): the
+        ``(k, r, commit_every_n_steps)`` of the highest expected goodput, or ``None`` when checkpoints alone do
+        better. ``ValueError`` for a world size parity cannot cover or a job with no embedding state."""
+        from lightning_dlrover.planner.plan import plan_job
+
+        best = plan_job(world_size, state_bytes, step_s, ranks_per_machine, mtbf_hours, measured=measured).best
+        c = best.candidate
+        return None if c.strategy == "checkpoint" else cls(c.k, c.r, c.commit_every)
+
+    @classmethod
+    def from_option(cls, value: ParityConfig | dict | str | None) -> ParityConfig | str | None:
+        """The strategy's ``parity`` option: a config, its fields as a dict (YAML), ``"auto"`` (the planner picks at
+        start, :meth:`auto`) or ``None`` (off)."""
+        if isinstance(value, str):
+            if value != "auto":
+                raise ValueError(f"parity={value!r}: use 'auto', a mapping (k, r, commit_every_n_steps, overlap) or null.")
+            return value
+        return cls(**value) if isinstance(value, dict) else value
+
+    @classmethod
     def parse(cls, text: str) -> ParityConfig:
         """``"k,r[,commit_every_n_steps[,overlap 0|1]]"`` (a command-line form), e.g. ``"2,1"`` or ``"2,1,16,0"``."""
         try:

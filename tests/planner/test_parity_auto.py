@@ -1,0 +1,71 @@
+"""``parity: auto``: a real 2-rank ``lightning-dlrover fit`` trains with the planner's pick, and what cannot be planned
+is refused before any rank starts."""
+
+from __future__ import annotations
+
+import yaml
+
+from lightning_dlrover.advisor.history import JobHistory, resolve_url
+from lightning_dlrover.fault import ParityConfig
+from lightning_dlrover.monitor.events import read_events
+from lightning_dlrover.planner.job import OPTIMIZER_BYTES_PER_ROW, STEP_S_PER_RANK_SAMPLE, PlannedJob
+from tests.conftest import run
+
+ROWS, DIM, BATCH = [100] * 26, 8, 64
+
+
+def _config(tmp_path, devices: int, parity="auto", rows=ROWS) -> str:
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": devices, "max_steps": 6, "limit_val_batches": 0, "logger": False,
+                    "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+                    "default_root_dir": str(tmp_path / "run"),
+                    "strategy": {"class_path": "lightning_dlrover.DLRoverStrategy",
+                                 "init_args": {"sharding_types": ["table_wise"], "parity": parity,
+                                               "print_digest": False}}},
+        "model": {"num_embeddings_per_feature": rows, "embedding_dim": DIM, "dense_arch_layer_sizes": [16, DIM],
+                  "over_arch_layer_sizes": [16, 1]},
+        "data": {"global_batch_size": BATCH, "train_batches": 100, "val_batches": 0},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_parity_auto_trains_two_ranks_with_the_planners_pick(tmp_path):
+    # An earlier run of this job recorded slow checkpoints (30 s a save, 10 s a restore) in the job history, and the
+    # job fails every 3 minutes: parity pays for itself. (Its own tiny state saves in no time: checkpoints would win.)
+    history = tmp_path / "history.sqlite"
+    db = JobHistory(resolve_url(history))
+    db.add_costs(PlannedJob(tuple((r, DIM) for r in ROWS), 2, 1, BATCH).key(), {"save_s": 30.0, "load_s": 10.0})
+    db.close()
+    env = {"LIGHTNING_DLROVER_MTBF_HOURS": "0.05", "LIGHTNING_DLROVER_HISTORY": str(history)}
+    out = run(["-m", "lightning_dlrover", "fit", "--config", _config(tmp_path, 2)], tmp_path, env=env, timeout=240)
+    assert out.returncode == 0, out.stdout[-4000:]
+    expected = ParityConfig.auto(2, sum(ROWS) * (DIM * 4 + OPTIMIZER_BYTES_PER_ROW), STEP_S_PER_RANK_SAMPLE * BATCH / 2,
+                                 ranks_per_machine=2, mtbf_hours=0.05, measured={"save_s": 30.0, "load_s": 10.0})
+    assert expected is not None
+    assert ParityConfig.auto(2, sum(ROWS) * (DIM * 4 + OPTIMIZER_BYTES_PER_ROW), STEP_S_PER_RANK_SAMPLE * BATCH / 2,
+                             ranks_per_machine=2, mtbf_hours=0.05) is None  # without the history's costs
+    events = read_events([tmp_path / "run" / "dlrover_events.jsonl"])
+    [planned] = [e for e in events if e.kind == "parity_planned"]
+    assert planned["parity"] == {"k": expected.k, "r": expected.r, "commit_every_n_steps": expected.commit_every_n_steps}
+    assert planned["world_size"] == 2
+    assert "parity: auto picked" in out.stdout
+    # the job trained with that parity (the fault manager's report of the coded state it set up)
+    n = expected.commit_every_n_steps
+    point = "every step" if n == 1 else f"every {n} steps"
+    assert f"DLRoverStrategy parity k={expected.k} r={expected.r}: rank 0 codes" in out.stdout, out.stdout[-4000:]
+    assert f"the recovery point is committed {point}" in out.stdout
+
+
+def test_parity_auto_is_refused_before_ranks_start(tmp_path):
+    one = run(["-m", "lightning_dlrover", "fit", "--config", _config(tmp_path, 1)], tmp_path, check=False, timeout=120)
+    assert one.returncode != 0
+    assert "parity: auto at world size 1: parity needs at least 2 ranks" in one.stdout, one.stdout[-3000:]
+    assert "MEMBER" not in one.stdout and "Initializing distributed" not in one.stdout  # no rank started
+    bad = run(["-m", "lightning_dlrover", "fit", "--config", _config(tmp_path, 2)], tmp_path, check=False, timeout=120,
+              env={"LIGHTNING_DLROVER_MTBF_HOURS": "-3"})
+    assert bad.returncode != 0
+    assert "LIGHTNING_DLROVER_MTBF_HOURS=-3.0: the job's mean time between failures must be > 0 hours" in bad.stdout
+    assert "Initializing distributed" not in bad.stdout, bad.stdout[-3000:]
