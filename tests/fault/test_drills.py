@@ -62,3 +62,26 @@ def test_an_in_process_drill_whose_kills_cannot_land_fails_loudly(tmp_path):
     assert status == 2 and landed and 1 <= int(landed.group(1)) < 3, out[-4000:]
     assert "this drill did not drill" in out
     assert got["recoveries"] != "none"
+
+
+def test_a_loader_without_state_dict_is_named_once_before_training(tmp_path):
+    """A user's plain ``DataLoader`` over an ``IterableDataset`` (no ``state_dict``): a recovery restores the model
+    exactly but the stream starts again, so the final state differs from a fault-free run. Before: nothing said
+    so. Now rank 0 says it once, before its first step, and names the fix."""
+    out = run([str(REPO / "tests" / "scripts" / "user_model.py"), "--plain-loader", "--steps", "2", "--devices", "2",
+               "--root", str(tmp_path)], tmp_path, timeout=400).stdout
+    warning = "has no state_dict(): a recovery (in process, from spills or from a checkpoint) restores the model"
+    assert out.count(warning) == 1, out[-4000:]
+    assert "StatefulDataLoader" in out.split(warning)[1].splitlines()[0]
+    assert out.index(warning) < out.index("state digest:")
+
+
+def test_only_loaders_without_state_dict_are_named():
+    from torch.utils.data import DataLoader
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from lightning_dlrover.strategy.support import unresumable_loaders
+
+    data = list(range(8))
+    assert unresumable_loaders(StatefulDataLoader(data)) == []
+    assert unresumable_loaders({"a": [DataLoader(data)], "b": StatefulDataLoader(data)}) == ["DataLoader(list)"]
