@@ -292,7 +292,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report's facts as JSON")
     parser.add_argument("--kill-all", action="store_true",
                         help="SIGKILL every rank at once (agents live on and restart them; nobody can spill)")
-    parser.add_argument("--at-step", type=int, default=None, help="training step at which the node dies (not with --kills)")
+    parser.add_argument("--at-step", type=int, default=None, help="training step at which the node dies (unused with --kills)")
     parser.add_argument("--phase", choices=PHASES, default="before_forward")
     parser.add_argument("--replace", action="store_true", help="start a replacement node (else the job shrinks)")
     parser.add_argument("--rejoin-after", type=float, default=None, metavar="SECONDS",
@@ -310,8 +310,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", help="extra `fit` arguments, e.g. --trainer.max_steps=40")
     args, unknown = parser.parse_known_args(argv)
     args.overrides += unknown
-    if (args.at_step is None) == (args.kills == 0):
-        parser.error("give either --at-step (one kill at that step) or --kills N (N random kills), not both")
+    if args.at_step is None and not args.kills:
+        parser.error("give --at-step S (one kill at step S) or --kills N (N random kills)")
     if args.kills < 0:
         parser.error(f"--kills {args.kills} must be >= 0")
     if args.kills and (args.kill_all or args.replace or args.rejoin_after is not None):

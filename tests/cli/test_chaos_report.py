@@ -224,7 +224,7 @@ def test_the_kill_schedules_are_drawn_from_the_seed():
 
 
 def test_kills_options_are_checked():
-    for wrong in (["--kills", "2", "--at-step", "3"], [], ["--kills", "2", "--kill-all"], ["--at-step", "3", "--kill-rate", "2"],
+    for wrong in (["--kills", "-1", "--at-step", "3"], [], ["--kills", "2", "--kill-all"], ["--at-step", "3", "--kill-rate", "2"],
                   ["--kills", "2", "--script", __file__, "--no-parity"]):
         with pytest.raises(SystemExit):
             parse_args(wrong)
