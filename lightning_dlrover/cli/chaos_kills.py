@@ -51,11 +51,14 @@ def plan(kills: int, world: int, seed: int, jitter: float, rate: float | None) -
 
 
 def trained_since(events: list[Event], since: float) -> float | None:
-    """When the job first committed a step after time ``since`` (a ``resumed`` event, or a per-step digest of a
-    later step than the first one it recorded after ``since``, which is the state it started or restored at)."""
+    """When the job first committed a step after time ``since``: ``since`` 0, a per-step digest of a later step than
+    the first one it recorded (the state it started at); else (``since`` a kill) the ``resumed`` event of the
+    recovery that followed (a digest may still come from a rank finishing its step after the kill)."""
     resumed = [e.time for e in events if e.kind == "resumed" and e.time > since]
-    digests = [e for e in events if e.kind == "digest" and not e["final"] and e.time > since]
-    moved = [e.time for e in digests if digests and e.step != digests[0].step]
+    if since > 0:
+        return min(resumed, default=None)
+    digests = [e for e in events if e.kind == "digest" and not e["final"]]
+    moved = [e.time for e in digests if e.step != digests[0].step]
     return min(resumed + moved, default=None)
 
 

@@ -5,7 +5,7 @@ import psutil
 import pytest
 
 from lightning_dlrover.cli.chaos import _loopback_store, _reference_overrides, parse_args
-from lightning_dlrover.cli.chaos_kills import plan
+from lightning_dlrover.cli.chaos_kills import plan, trained_since
 from lightning_dlrover.cli.chaos_report import drill_facts, summarize
 from lightning_dlrover.monitor.events import Event
 
@@ -239,3 +239,12 @@ def test_a_step_digested_but_not_yet_committed_is_not_counted_as_lost():
               event("restored", 9.0, 3, **RESTORED), *digests((9.1, 3), (10.0, 30))]
     facts = drill_facts(parse_args(["--nodes", "1", "--kills", "1"]), True, events, None, (None, None), (1, ""))
     assert facts["steps_lost"] == 0 and facts["kills"][0]["committed_step"] == 3
+
+
+def test_the_next_kill_waits_for_the_recovery_to_commit_a_step():
+    """A digest a rank records just after a kill (it finished its step) is not a commit of the recovery."""
+    events = [*digests((1.0, 0), (2.0, 1)), runner_kill(2.5, 1), *digests((2.6, 2), (9.0, 1))]
+    assert trained_since(events, 0.0) == 2.0
+    assert trained_since(events, 2.5) is None
+    events.append(event("resumed", 9.5, 2))
+    assert trained_since(events, 2.5) == 9.5
