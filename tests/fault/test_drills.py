@@ -38,10 +38,11 @@ def test_torchrun_restarts_decode_every_kill_and_end_with_the_fault_free_digest(
 
 
 def test_a_kill_before_the_first_checkpoint_starts_over_and_says_none_was_written_yet(tmp_path):
-    """Checkpoint-only (``--no-parity``), killed after the first step: no checkpoint was written yet (one is configured
-    every 10 steps), so the job starts over from step 0, says so (not "add a ModelCheckpoint") and records the
-    start-over's first commit as ``resumed`` (before: no event)."""
-    _, got, out = chaos(tmp_path, "--no-parity", "--kills", "1", "--kill-jitter", "0", "--no-reference",
+    """Checkpoint-only (``--no-parity``), killed just after the first step (a Poisson schedule at 600 kills a
+    minute: 0.1 s on average): no checkpoint was written yet (one is configured every 10 steps), so the job starts
+    over from step 0, says so (not "add a ModelCheckpoint") and records the start-over's first commit as
+    ``resumed`` (before: no event)."""
+    _, got, out = chaos(tmp_path, "--no-parity", "--kills", "1", "--kill-rate", "600", "--no-reference",
                         "--trainer.max_steps=4")
     assert got["kills landed"] == "1 of 1" and got["recoveries"] == "start over 1", out[-4000:]
     assert got["job finished"] == "yes" and got["steps lost"].isdigit()
