@@ -16,6 +16,13 @@ are kept under ``--workdir``. ``--script`` drills your own training script inste
 (``--kill-rank``): a hot spare (``--spares`` per node) takes it and the survivors recover inside ``fit``::
 
     lightning-dlrover chaos --in-process --nodes 1 --nproc-per-node 2 --kill-rank 1 --at-step 12
+
+``--kills N`` drills at a kill rate instead, in every mode (``--in-process``; ``torchrun`` restarts that decode
+the survivors' spills; with ``--no-parity``, restarts from the last checkpoint): N SIGKILLs of a random rank
+(see :mod:`lightning_dlrover.cli.chaos_kills` for when), reported against a fault-free run of the same mode
+(goodput by wall time, recoveries by kind, steps lost, digests); ``--json PATH`` writes the report's facts::
+
+    lightning-dlrover chaos --nodes 1 --nproc-per-node 2 --kills 3 --seed 1 --json drill.json
 """
 
 from __future__ import annotations
@@ -23,10 +30,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
 import os
-import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -39,16 +45,30 @@ from pathlib import Path
 import psutil
 from torch.distributed import TCPStore
 
-from lightning_dlrover.cli.chaos_report import summarize
-from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.cli import chaos_kills
+from lightning_dlrover.cli.chaos_report import drill_facts, summarize
 from lightning_dlrover.fault.inplace.supervisor import serve_store
 from lightning_dlrover.fault.points import FAULT_ENV, PHASES, VERIFY_PARITY_ENV
 from lightning_dlrover.fault.restart.spill import SPILL_ENV
-from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV, EVENTS_ENV, Event, configure, emit, read_events
+from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV, EVENTS_ENV, Event, read_events
 
 #: Restarted workers must not share the agents' store: they would read addresses the dead workers left there.
 STORE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 DEFAULT_CONFIG = resources.files("lightning_dlrover.cli") / "configs" / "chaos.yaml"
+#: What ``--no-parity`` adds to a ``--config`` job: no erasure code, so a restart resumes from the last checkpoint.
+NO_PARITY = "--trainer.strategy.init_args.parity=null"
+
+
+@dataclass
+class Run:
+    """One run of the job: finished or not, its events, its wall time (start of its first agent to the exit of
+    its last) and, for a ``--kills`` drill, how many kills landed and why not all."""
+
+    finished: bool
+    events: list[Event]
+    wall_s: float | None = None
+    landed: int = 0
+    short: str = ""
 
 
 @dataclass
@@ -105,19 +125,20 @@ class Cluster:
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.min_nodes}:{a.nodes}", f"--nproc-per-node={a.nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
-            f"--rdzv-conf={rdzv}", "--max-restarts=3", "--monitor-interval=0.2",
+            f"--rdzv-conf={rdzv}", f"--max-restarts={max(3, a.kills + 1)}", "--monitor-interval=0.2",
             *self._program(),
         ]  # fmt: skip
         if a.in_process:  # our launcher: node 0 hosts the job's store on the port this runner reserved
             command = [
                 sys.executable, "-m", "lightning_dlrover", "launch", "--nnodes", str(a.nodes), "--node-rank", str(index),
                 "--nproc-per-node", str(a.nproc_per_node), "--spares", str(a.spares), "--run-id", self.run_id,
+                "--max-restarts", str(max(3, a.kills + 1)),
                 "--master", f"127.0.0.1:{self.port}", "--", *self._program(),
             ]  # fmt: skip
         full_env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, DIGEST_EVERY_ENV)}
         full_env.update({SPILL_ENV: str(self.spill_root / f"node{index}"), EVENTS_ENV: str(self.job.workdir / "events.jsonl"),
                          **STORE_ENV, **(env or {})})
-        if not a.no_reference:
+        if not a.no_reference or a.kills:  # the kill rule and the report read the digests too
             full_env[DIGEST_EVERY_ENV] = "1"  # digests at the start and after every step, to compare states
         full_env[VERIFY_PARITY_ENV] = "1"  # a restored job checks its parity against a fresh encode
         log = self.job.workdir / f"node{index}.log"
@@ -132,7 +153,8 @@ class Cluster:
         if a.script is not None:
             return [str(a.script), *a.overrides]
         return ["-m", "lightning_dlrover", "fit", "--config", str(a.config),
-                f"--trainer.default_root_dir={self.job.workdir}", *a.overrides, *self.extra]
+                f"--trainer.default_root_dir={self.job.workdir}", *([NO_PARITY] if a.no_parity else []),
+                *a.overrides, *self.extra]
 
     def wait(self, until: float) -> bool:
         """Waits for every agent to exit; ``False`` if one is still running at time ``until``."""
@@ -149,13 +171,15 @@ class Cluster:
         shutil.rmtree(self.spill_root, ignore_errors=True)
 
 
-def _reference_run(args: argparse.Namespace) -> list[Event] | None:
-    """The events of the same job without a fault (``None`` if it did not finish)."""
+def _reference_run(args: argparse.Namespace) -> Run:
+    """The same job without a fault, in the same mode."""
     cluster = Cluster(args, "reference", args.nodes, _reference_overrides(args))
     try:
+        started = time.time()
         for index in range(args.nodes):
             cluster.start_node(index)
-        return cluster.job.events() if cluster.wait(time.time() + args.timeout) else None
+        finished = cluster.wait(started + args.timeout)
+        return Run(finished, cluster.job.events(), time.time() - started if finished else None)
     finally:
         cluster.close()
 
@@ -165,9 +189,39 @@ def _reference_overrides(args: argparse.Namespace) -> list[str]:
     return [] if args.reference_steps is None else [f"--trainer.max_steps={args.reference_steps}"]
 
 
-def _faulted_run(args: argparse.Namespace) -> tuple[bool, list[Event]]:
-    """Runs the job, kills node ``--kill-node`` (or every rank) at ``--at-step``, optionally replaces the node;
-    returns (finished, events)."""
+def _faulted_run(args: argparse.Namespace) -> Run:
+    """Runs the job with its faults: ``--kills`` random kills, else node ``--kill-node`` (or every rank) killed at
+    ``--at-step``, optionally replaced."""
+    if args.kills:
+        return _drill_run(args)
+    started = time.time()
+    finished, events = _one_fault_run(args)
+    return Run(finished, events, time.time() - started if finished else None)
+
+
+def _drill_run(args: argparse.Namespace) -> Run:
+    """Runs the job and delivers ``--kills`` kills to random ranks (the launcher or agent restarts each)."""
+    cluster = Cluster(args, "faulted", args.nodes)
+    started = time.time()
+    deadline = started + args.timeout
+    kills = chaos_kills.plan(args.kills, args.nodes * args.nproc_per_node, args.seed, args.kill_jitter, args.kill_rate)
+    try:
+        for index in range(args.nodes):
+            cluster.start_node(index)
+        killer = chaos_kills.Killer(cluster.job.agents, f"127.0.0.1:{cluster.port}" if args.in_process else None)
+        landed, short = chaos_kills.run_kills(kills, killer, cluster.job.events, str(cluster.job.workdir / "events.jsonl"),
+                                              deadline, poisson=args.kill_rate is not None)
+        finished = all(a.wait(timeout=max(deadline - time.time(), 0.1)) == 0 for a in cluster.job.agents)
+        return Run(finished, cluster.job.events(), time.time() - started if finished else None, landed, short)
+    except subprocess.TimeoutExpired:
+        return Run(False, cluster.job.events())
+    finally:
+        cluster.close()
+
+
+def _one_fault_run(args: argparse.Namespace) -> tuple[bool, list[Event]]:
+    """Kills node ``--kill-node`` (or every rank, or ``--kill-rank`` in process) at ``--at-step``; returns
+    (finished, events)."""
     min_nodes = args.nodes if args.replace or args.kill_all else args.nodes - 1
     cluster = Cluster(args, "faulted", min_nodes)
     fault = f"step={args.at_step},phase={args.phase},target={'all' if args.kill_all else 'node'}"
@@ -176,9 +230,7 @@ def _faulted_run(args: argparse.Namespace) -> tuple[bool, list[Event]]:
         try:
             fault = f"rank={args.kill_rank},step={args.at_step},phase={args.phase}"
             for index in range(args.nodes):
-                cluster.start_node(index, {FAULT_ENV: fault} if not args.kills else None)
-            if args.kills:
-                _kill_repeatedly(args, cluster, deadline)
+                cluster.start_node(index, {FAULT_ENV: fault})
             finished = all(a.wait(timeout=max(deadline - time.time(), 0.1)) == 0 for a in cluster.job.agents)
             return finished, cluster.job.events()
         except subprocess.TimeoutExpired:
@@ -214,33 +266,6 @@ def _faulted_run(args: argparse.Namespace) -> tuple[bool, list[Event]]:
         cluster.close()
 
 
-def _kill_repeatedly(args: argparse.Namespace, cluster: Cluster, deadline: float) -> None:
-    """SIGKILLs a random rank ``--kills`` times, each a random moment (up to ``--kill-jitter`` s) after the job
-    committed a step past the previous recovery; every kill is a ``fault_injected`` event of this runner."""
-    rng = random.Random(args.seed)
-    configure(cluster.job.workdir / "events.jsonl")
-    store = membership.connect(f"127.0.0.1:{cluster.port}")
-    world = args.nodes * args.nproc_per_node
-    last_step = -1
-    for _ in range(args.kills):
-        while time.time() < deadline:  # until the job trained past the step of the previous kill
-            if any(a.poll() is not None for a in cluster.job.agents):
-                return  # the job ended (or failed): nothing left to kill
-            if any(e.kind == "digest" and not e["final"] and e.step > last_step for e in cluster.job.events()):
-                break
-            time.sleep(0.1)
-        time.sleep(rng.uniform(0.0, args.kill_jitter))
-        rank = rng.randrange(world)
-        launch = sum(e.kind == "restarting_all" for e in cluster.job.events())
-        _, pid = membership.worker(store, launch, rank)
-        steps = [e.step for e in cluster.job.events() if e.kind == "digest" and not e["final"]]
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        last_step = max(steps, default=-1) + 1
-        emit("fault_injected", step=max(steps, default=None), phase="random", target="rank", signal="SIGKILL",
-             committed_step=None, message=f"chaos: SIGKILLed rank {rank} (pid {pid})")
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="lightning-dlrover chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=Path(str(DEFAULT_CONFIG)), help="a `lightning-dlrover fit` config")
@@ -255,12 +280,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--spares", type=int, default=1, help="hot spares per node (--in-process)")
     parser.add_argument("--kill-rank", type=int, default=0, help="rank to kill (--in-process)")
     parser.add_argument("--kills", type=int, default=0,
-                        help="--in-process: instead, SIGKILL a random rank this many times at random moments")
+                        help="instead of one kill at --at-step, SIGKILL a random rank this many times (any mode), each a "
+                             "random 0..--kill-jitter s after the job committed a step past the previous recovery")
     parser.add_argument("--kill-jitter", type=float, default=1.0, help="--kills: up to this many seconds after a step")
+    parser.add_argument("--kill-rate", type=float, default=None, metavar="PER_MINUTE",
+                        help="--kills: a Poisson schedule instead (exponential inter-arrival times at this many kills per "
+                             "minute, counted from the job's first committed step)")
     parser.add_argument("--seed", type=int, default=0, help="--kills: seed of the random ranks and moments")
+    parser.add_argument("--no-parity", action="store_true",
+                        help="run --config without parity: a restart resumes from the last checkpoint")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report's facts as JSON")
     parser.add_argument("--kill-all", action="store_true",
                         help="SIGKILL every rank at once (agents live on and restart them; nobody can spill)")
-    parser.add_argument("--at-step", type=int, required=True, help="training step at which the node dies")
+    parser.add_argument("--at-step", type=int, default=None, help="training step at which the node dies (unused with --kills)")
     parser.add_argument("--phase", choices=PHASES, default="before_forward")
     parser.add_argument("--replace", action="store_true", help="start a replacement node (else the job shrinks)")
     parser.add_argument("--rejoin-after", type=float, default=None, metavar="SECONDS",
@@ -278,6 +310,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", help="extra `fit` arguments, e.g. --trainer.max_steps=40")
     args, unknown = parser.parse_known_args(argv)
     args.overrides += unknown
+    if args.at_step is None and not args.kills:
+        parser.error("give --at-step S (one kill at step S) or --kills N (N random kills)")
+    if args.kills < 0:
+        parser.error(f"--kills {args.kills} must be >= 0")
+    if args.kills and (args.kill_all or args.replace or args.rejoin_after is not None):
+        parser.error("--kills kills one random rank at a time; leave out --kill-all, --replace and --rejoin-after")
+    if args.kill_rate is not None and (not args.kills or args.kill_rate <= 0):
+        parser.error("--kill-rate R (> 0 kills per minute) schedules the kills of --kills N; give both")
+    if args.no_parity and args.script is not None:
+        parser.error("--no-parity overrides --config's strategy; with --script, turn parity off in your script")
     if not 0 <= args.kill_node < args.nodes:
         parser.error(f"--kill-node {args.kill_node} is not a node of --nodes {args.nodes}")
     if args.replace and args.rejoin_after is not None:
@@ -286,7 +328,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--kill-rank {args.kill_rank} is not a rank of {args.nodes} x {args.nproc_per_node}")
     if args.in_process and (args.kill_all or args.rejoin_after is not None):
         parser.error("--in-process replaces one rank; leave out --kill-all and --rejoin-after")
-    if args.nodes < 2 and not args.replace and not args.kill_all and not args.in_process:
+    if args.nodes < 2 and not args.replace and not args.kill_all and not args.in_process and not args.kills:
         parser.error("a job of one node cannot shrink: pass --replace or --nodes >= 2")
     if args.script is None and not args.config.is_file():
         parser.error(f"--config {args.config} does not exist")
@@ -294,7 +336,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--script {args.script} does not exist")
     if args.reference_steps is not None and (args.script is not None or args.no_reference):
         parser.error("--reference-steps shortens the fault-free run of --config; leave it out with --script or --no-reference")
-    if args.reference_steps is not None and args.reference_steps < args.at_step:
+    if args.reference_steps is not None and args.kills:
+        parser.error("--reference-steps shortens the fault-free run, which a --kills drill measures its goodput against")
+    if args.reference_steps is not None and args.at_step is not None and args.reference_steps < args.at_step:
         parser.error(f"--reference-steps {args.reference_steps} stops before --at-step {args.at_step}: the restored state "
                      "(at --at-step or the commit before it) would have nothing to compare with")
     if args.kill_all and (args.replace or args.rejoin_after is not None):
@@ -305,26 +349,51 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _reference(args: argparse.Namespace) -> Run | None:
+    """The fault-free run of the same job and mode (``None`` with ``--no-reference``), reused from ``--workdir``
+    with ``--reuse-reference``."""
+    if args.no_reference:
+        return None
+    program = (args.script or args.config).read_bytes()
+    mode = [args.in_process, args.spares if args.in_process else None, args.no_parity]
+    key = hashlib.sha256(repr([program, args.nodes, args.nproc_per_node, args.overrides + _reference_overrides(args),
+                               *mode]).encode())
+    cached = args.workdir / f"reference-{key.hexdigest()[:16]}.jsonl"
+    wall = cached.with_suffix(".wall.json")
+    if args.reuse_reference and cached.is_file():
+        return Run(True, read_events([cached]), json.loads(wall.read_text())["wall_s"] if wall.is_file() else None)
+    print("chaos: fault-free reference run ...", flush=True)
+    reference = _reference_run(args)
+    if reference.finished:
+        shutil.copy(args.workdir / "reference" / "events.jsonl", cached)
+        wall.write_text(json.dumps({"wall_s": reference.wall_s}))
+    return reference
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs the drill and prints its summary; exit status 0 when the job recovered and finished."""
+    """Runs the drill and prints its summary; exit status 0 when the job recovered and finished (and, with
+    ``--kills N``, all N kills landed)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    reference = None
-    if not args.no_reference:
-        program = (args.script or args.config).read_bytes()
-        key = hashlib.sha256(repr([program, args.nodes, args.nproc_per_node, args.overrides + _reference_overrides(args)]).encode())
-        cached = args.workdir / f"reference-{key.hexdigest()[:16]}.jsonl"
-        if args.reuse_reference and cached.is_file():
-            reference = read_events([cached])
-        else:
-            print("chaos: fault-free reference run ...", flush=True)
-            reference = _reference_run(args)
-            if reference is not None:
-                shutil.copy(args.workdir / "reference" / "events.jsonl", cached)
-    victim = "every rank" if args.kill_all else f"rank {args.kill_rank}" if args.in_process else f"node {args.kill_node}"
-    print(f"chaos: run with {victim} killed at step {args.at_step} ...", flush=True)
-    finished, events = _faulted_run(args)
+    reference = _reference(args)
+    if args.kills:
+        print(f"chaos: run with {args.kills} random ranks SIGKILLed (seed {args.seed}) ...", flush=True)
+    else:
+        victim = "every rank" if args.kill_all else f"rank {args.kill_rank}" if args.in_process else f"node {args.kill_node}"
+        print(f"chaos: run with {victim} killed at step {args.at_step} ...", flush=True)
+    run = _faulted_run(args)
+    ref_events = reference.events if reference is not None and reference.finished else None
     print("\nchaos summary")
-    for line in summarize(args, finished, events, reference):
+    for line in summarize(args, run.finished, run.events, ref_events, walls=(
+            run.wall_s, reference.wall_s if reference is not None else None), landed=(run.landed, run.short)):
         print(f"  {line}")
+    if args.json is not None:
+        facts = drill_facts(args, run.finished, run.events, ref_events, (run.wall_s, reference.wall_s if reference
+                                                                          else None), (run.landed, run.short))
+        args.json.write_text(json.dumps(facts, indent=1))
     sys.stdout.flush()
-    return 0 if finished else 1
+    if args.kills and run.landed < args.kills:
+        print(f"chaos: FAILED: only {run.landed} of {args.kills} kills landed ({run.short}); this drill did not drill. "
+              "Give the job more steps (--trainer.max_steps) or a shorter --kill-jitter / higher --kill-rate.",
+              file=sys.stderr, flush=True)
+        return 2
+    return 0 if run.finished else 1

@@ -150,6 +150,7 @@ class FaultManager(CommitProtocol):
         resume = report.meta if report is not None else None
         if reason is not None:
             resume = fall_back(host, reason)
+            self._announce_resume = True  # also a start-over from step 0: its first commit is a ``resumed`` event
         if resume is not None:
             self.recovered = self._announce_resume = True
             self.committed_step = resume["global_step"]

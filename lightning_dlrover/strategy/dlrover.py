@@ -53,7 +53,7 @@ from lightning_dlrover.strategy.sharding import (
     distribute,
     plan_sharding,
 )
-from lightning_dlrover.strategy.support import check_device, check_parity_optimizers
+from lightning_dlrover.strategy.support import check_device, check_parity_optimizers, warn_unresumable_data
 from lightning_dlrover.worker_env import node_range
 
 log = get_logger(__name__)
@@ -259,9 +259,10 @@ class DLRoverStrategy(DDPStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Forgets the restored state once Lightning has resumed from it."""
+        """Forgets the restored state once Lightning has resumed from it; says if the data cannot resume exactly."""
         super().on_train_start()
         self._resume = None
+        warn_unresumable_data(self.lightning_module.trainer)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

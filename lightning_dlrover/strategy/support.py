@@ -11,10 +11,16 @@ device type is a string.
 from __future__ import annotations
 
 import os
+import weakref
+from typing import Any
 
 from torch import nn
 
 from lightning_dlrover import torchrec_glue
+from lightning_dlrover.log import get_logger
+
+log = get_logger(__name__)
+_data_checked: weakref.WeakSet = weakref.WeakSet()
 
 #: In-backward optimizers whose whole state parity codes: their state is per element or per row (SGD has none,
 #: Adagrad keeps one value per element, row-wise Adagrad one per row). Adam, LAMB, LARS and their partial-row-wise
@@ -81,3 +87,37 @@ def check_device(device_type: str, transport: str, parity: bool, in_process: boo
             f"on the GPU (a lost rank then falls back to the newest checkpoint); {UNTESTED_GPU_PARITY_ENV}=1 lets it "
             "run, untested, at your risk."
         )
+
+
+def _leaves(iterables: Any) -> list[Any]:
+    if isinstance(iterables, dict):
+        return [leaf for value in iterables.values() for leaf in _leaves(value)]
+    if isinstance(iterables, (list, tuple)):
+        return [leaf for value in iterables for leaf in _leaves(value)]
+    return [] if iterables is None else [iterables]
+
+
+def unresumable_loaders(iterables: Any) -> list[str]:
+    """The training loaders in ``iterables`` (a loader, or a list or dict of them) that cannot say where they are:
+    no ``state_dict``/``load_state_dict``, so Lightning starts them again from the beginning on a restore."""
+    return [f"{type(loader).__name__}({type(getattr(loader, 'dataset', None)).__name__})" if hasattr(loader, "dataset")
+            else type(loader).__name__ for loader in _leaves(iterables)
+            if not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)))]
+
+
+def warn_unresumable_data(trainer: Any) -> None:
+    """Says once per trainer, on global rank 0 before its first step, when a recovery cannot be exact for the data:
+    it restores the model and optimizers to the committed step, but a training loader without a ``state_dict``
+    starts its stream again from the beginning."""
+    if trainer in _data_checked:
+        return
+    _data_checked.add(trainer)
+    found = unresumable_loaders(trainer.train_dataloader)
+    if found and trainer.is_global_zero:
+        log.warning(
+            f"DLRoverStrategy: the training loader {', '.join(found)} has no state_dict(): a recovery (in process, from "
+            "spills or from a checkpoint) restores the model and optimizers exactly at the committed step, but this "
+            "loader starts again from the beginning of its stream, so the data after a recovery (and the final state) "
+            "differ from a fault-free run. To make recovery exact for the data too, return a "
+            "torchdata.stateful_dataloader.StatefulDataLoader from train_dataloader() (with an IterableDataset, give "
+            "the dataset state_dict() and load_state_dict() as well).")

@@ -4,7 +4,8 @@ Dense part with ``BatchNorm1d`` and ``Dropout``, an ``EmbeddingBagCollection`` w
 Adagrad (not row-wise), Adam and SGD-with-momentum for the dense parameters, a per-step LR schedule, and
 the user's own resumable ``StatefulDataLoader`` (torchdata). ``--manual`` switches to manual optimisation
 with two dense optimizers (``zero_grad`` on both, ``manual_backward``, ``step`` on both); ``--collection``
-to an ``EmbeddingCollection`` (unpooled, sequence-style lookups) whose tables use plain SGD (no optimizer state).
+to an ``EmbeddingCollection`` (unpooled, sequence-style lookups) whose tables use plain SGD (no optimizer state);
+``--plain-loader`` to a plain ``DataLoader`` over an ``IterableDataset`` with no ``state_dict`` (the same batches).
 
 Runs under Lightning's launcher (``--devices N``) or ``torchrun`` (devices and nodes from the worker group);
 prints ``state digest: <hex>`` at the end of fit (rank 0).
@@ -20,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -70,9 +71,24 @@ class RankSlice(torch.utils.data.Sampler):
             yield from range(start, start + local)
 
 
+class ClickStream(IterableDataset):
+    """The same batches as ``StatefulDataLoader(ClickDataset(), sampler=RankSlice(...))``, as a plain stream that
+    cannot say where it is (no ``state_dict``)."""
+
+    def __init__(self, sampler: RankSlice, local_batch: int) -> None:
+        self.sampler, self.local_batch = sampler, local_batch
+
+    def __iter__(self):
+        data, indices = ClickDataset(), iter(self.sampler)
+        while True:
+            yield collate([data[next(indices)] for _ in range(self.local_batch)])
+
+
 class UserModel(pl.LightningModule):
-    def __init__(self, manual: bool = False, global_batch: int = 64, collection: bool = False) -> None:
+    def __init__(self, manual: bool = False, global_batch: int = 64, collection: bool = False,
+                 plain_loader: bool = False) -> None:
         super().__init__()
+        self.plain_loader = plain_loader
         self.automatic_optimization = not manual
         self.global_batch = global_batch
         self.collection = collection
@@ -129,6 +145,8 @@ class UserModel(pl.LightningModule):
 
     def train_dataloader(self) -> StatefulDataLoader:
         sampler = RankSlice(self.trainer.global_rank, self.trainer.world_size, self.global_batch)
+        if self.plain_loader:
+            return DataLoader(ClickStream(sampler, self.global_batch // self.trainer.world_size), batch_size=None)
         return StatefulDataLoader(ClickDataset(), batch_size=self.global_batch // self.trainer.world_size,
                                   sampler=sampler, collate_fn=collate)
 
@@ -140,6 +158,7 @@ def main() -> None:
     parser.add_argument("--manual", action="store_true")
     parser.add_argument("--collection", action="store_true", help="EmbeddingCollection tables with SGD")
     parser.add_argument("--parity", default="1,1", help="k,r[,commit_every_n_steps[,overlap 0|1]] or 'none'")
+    parser.add_argument("--plain-loader", action="store_true", help="a DataLoader over an IterableDataset, no state_dict")
     parser.add_argument("--ckpt-every", type=int, default=0)
     parser.add_argument("--root", default=".")
     parser.add_argument("--resume", default=None)
@@ -164,7 +183,8 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(UserModel(manual=args.manual, collection=args.collection), ckpt_path=args.resume)
+    model = UserModel(manual=args.manual, collection=args.collection, plain_loader=args.plain_loader)
+    trainer.fit(model, ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,15 @@ def restore_failed_job(host: Host, state: CodedState | None,
     return report, None
 
 
+def _why_none(host: Host) -> str:
+    """Why a restarted job found no checkpoint: none configured, or none written yet."""
+    trainer = getattr(host.lightning_module, "trainer", None)
+    callback = getattr(trainer, "checkpoint_callback", None) if trainer is not None else None
+    if callback is None:
+        return "add a ModelCheckpoint(every_n_train_steps=N)"
+    return "a ModelCheckpoint is configured, but it had not written a checkpoint yet when the job failed"
+
+
 def fall_back(host: Host, reason: Unrecoverable) -> dict[str, Any] | None:
     """Loads the newest checkpoint not past the failure into ``host``; returns its trainer state, or ``None`` (with a
     loud warning) when there is none and training starts over."""
@@ -62,8 +71,8 @@ def fall_back(host: Host, reason: Unrecoverable) -> dict[str, Any] | None:
         lost = f"{failed} committed steps lost" if failed is not None else "the steps it had trained are lost"
         if host.is_global_zero:
             emit("fallback", step=0, why=str(reason), checkpoint=None, failed_step=failed, steps_lost=failed,
-                 load_s=0.0, message=f"WARNING: {reason} There is no checkpoint to fall back to (add a "
-                 f"ModelCheckpoint(every_n_train_steps=N)): training STARTS OVER FROM STEP 0; {lost}.")
+                 load_s=0.0, message=f"WARNING: {reason} There is no checkpoint to fall back to ({_why_none(host)}): "
+                 f"training STARTS OVER FROM STEP 0; {lost}.")
         return None
     started = time.perf_counter()
     meta = host.load_checkpoint(path)
