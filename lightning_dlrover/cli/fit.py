@@ -21,7 +21,7 @@ from lightning_dlrover.fault import elastic_trainer_args
 from lightning_dlrover.models import DLRMModule, PredictionWriter
 from lightning_dlrover.models.predictions import require_pyarrow
 from lightning_dlrover.strategy import DLRoverStrategy
-from lightning_dlrover.strategy.launcher import AddonConfigError
+from lightning_dlrover.strategy.launcher import AddonConfigError, StrategyConfigError
 
 
 class DLRoverCLI(LightningCLI):
@@ -73,21 +73,24 @@ class DLRoverCLI(LightningCLI):
         optimizer, a global batch the world size does not divide) in this process, before the trainer starts the
         other ranks: each would fail the same way in its set-up, after seconds of start-up."""
         if isinstance(self.trainer.strategy, DLRoverStrategy):
-            self.trainer.strategy.check_model(self.model)
+            try:
+                self.trainer.strategy.check_model(self.model)
+            except ValueError as err:  # each message names the field and the fix: one line, not a traceback
+                _refuse(str(err))
         if not any(isinstance(c, ElasticBatchScaler) for c in self.trainer.callbacks):  # it may fit the batch to the world
-            rank_slice(self.datamodule.hparams.global_batch_size, 0, self.trainer.world_size)
+            self._check_batch("fit")
         # The add-ons' own checks (what the world size or the outside world can refuse) run once, in the strategy's
         # launcher before it starts the ranks; :func:`fit` turns their AddonConfigError into the one-line error.
 
     def before_test(self) -> None:
         """Refuses a global batch the world size does not divide before the ranks start."""
-        self._check_eval_batch("test")
+        self._check_batch("test")
 
     def before_predict(self) -> None:
         """Refuses a global batch the world size does not divide before the ranks start."""
-        self._check_eval_batch("predict")
+        self._check_batch("predict")
 
-    def _check_eval_batch(self, command: str) -> None:
+    def _check_batch(self, command: str) -> None:
         try:
             rank_slice(self.datamodule.hparams.global_batch_size, 0, self.trainer.world_size)
         except ValueError as err:
@@ -123,7 +126,8 @@ def fit(args: list[str] | None) -> None:
     what is wrong, how to go on) and exit status 1, not the trainer's traceback around it. From Python, ``Trainer.fit``
     raises the :class:`~lightning_dlrover.data.tsv_parse.MalformedLine` itself. An add-on that refuses its config
     (:class:`~lightning_dlrover.strategy.launcher.AddonConfigError`, raised before any rank starts) ends it with one
-    line per refusal and exit status 2."""
+    line per refusal and exit status 2; so does a strategy option the world size cannot run
+    (:class:`~lightning_dlrover.strategy.launcher.StrategyConfigError`)."""
     try:
         DLRoverCLI(
             DLRMModule,
@@ -135,7 +139,9 @@ def fit(args: list[str] | None) -> None:
     except MalformedLine as err:
         print(f"lightning-dlrover fit: error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except AddonConfigError as err:
+    except (AddonConfigError, StrategyConfigError) as err:
         words = [str(a) for a in (sys.argv[1:] if args is None else args)]
         command = next((w for w in words if w in ("fit", "validate", "test", "predict")), "fit")
-        _refuse("trainer.callbacks: " + str(err).replace("\n", "\ntrainer.callbacks: "), command)
+        if isinstance(err, AddonConfigError):
+            _refuse("trainer.callbacks: " + str(err).replace("\n", "\ntrainer.callbacks: "), command)
+        _refuse(str(err), command)

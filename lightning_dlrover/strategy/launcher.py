@@ -21,6 +21,10 @@ class AddonConfigError(ValueError):
     each."""
 
 
+class StrategyConfigError(ValueError):
+    """The strategy's own options cannot run at the trainer's world size (e.g. ``parity="auto"`` on one rank)."""
+
+
 def validate_addons(callbacks: Iterable[object], world_size: int) -> None:
     """Runs ``validate(world_size)`` of each of the package's add-ons in ``callbacks``.
 
@@ -40,8 +44,12 @@ def validate_addons(callbacks: Iterable[object], world_size: int) -> None:
 
 
 def validate_trainer_addons(trainer: pl.Trainer) -> None:
-    """:func:`validate_addons` of the trainer's callbacks at its world size, and ``parity="auto"`` at that size."""
+    """:func:`validate_addons` of the trainer's callbacks at its world size, and ``parity="auto"`` at that size
+    (:class:`StrategyConfigError`)."""
     from lightning_dlrover.strategy.auto_parity import check
 
-    check(getattr(trainer.strategy, "parity", None), trainer.world_size)
+    try:
+        check(getattr(trainer.strategy, "parity", None), trainer.world_size)
+    except ValueError as err:
+        raise StrategyConfigError(str(err)) from None
     validate_addons(trainer.callbacks, trainer.world_size)

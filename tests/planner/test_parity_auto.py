@@ -61,11 +61,11 @@ def test_parity_auto_trains_two_ranks_with_the_planners_pick(tmp_path):
 
 def test_parity_auto_is_refused_before_ranks_start(tmp_path):
     one = run(["-m", "lightning_dlrover", "fit", "--config", _config(tmp_path, 1)], tmp_path, check=False, timeout=120)
-    assert one.returncode != 0
-    assert "parity: auto at world size 1: parity needs at least 2 ranks" in one.stdout, one.stdout[-3000:]
+    assert one.returncode == 2 and "Traceback" not in one.stdout, one.stdout[-3000:]
+    assert "lightning-dlrover fit: error: strategy.parity: auto at world size 1: parity needs at least 2 ranks" in one.stdout, one.stdout[-3000:]
     assert "MEMBER" not in one.stdout and "Initializing distributed" not in one.stdout  # no rank started
     bad = run(["-m", "lightning_dlrover", "fit", "--config", _config(tmp_path, 2)], tmp_path, check=False, timeout=120,
               env={"LIGHTNING_DLROVER_MTBF_HOURS": "-3"})
-    assert bad.returncode != 0
+    assert bad.returncode == 2 and "Traceback" not in bad.stdout, bad.stdout[-3000:]
     assert "LIGHTNING_DLROVER_MTBF_HOURS=-3.0: the job's mean time between failures must be > 0 hours" in bad.stdout
     assert "Initializing distributed" not in bad.stdout, bad.stdout[-3000:]
