@@ -156,9 +156,9 @@ def register_spare(store: Store, launch: int) -> int:
 def wait_for_assignment(store: Store, launch: int, index: int) -> Assignment:
     """Blocks until spare ``index`` of launch ``launch`` is handed a rank (as long as the job runs)."""
     key = PREFIX + f"{launch}/assign/{index}"
-    while True:
+    while True:  # blocked in the store's socket: a waiting spare uses no CPU (each timeout logs one line in C++)
         try:
-            store.wait([key], timedelta(seconds=30))
+            store.wait([key], timedelta(seconds=600))
             break
         except Exception:  # noqa: BLE001 - the store's timeout: keep waiting, the job may run for days
             continue
