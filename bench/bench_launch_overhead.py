@@ -3,7 +3,7 @@
 The packaged chaos job (``lightning_dlrover/cli/configs/chaos.yaml``: a small DLRM, parity k=1 r=1, a
 ``ModelCheckpoint`` every 150 steps; per-step digests off) on 1 machine with 2 ranks, fault-free, under ``torchrun``
 (``--max-restarts 3``), ``launch --spares 0`` and ``launch --spares N``. The runs are interleaved (a drift of a shared
-machine hits every mode alike); the table gives the median over ``--repeats`` of
+machine hits every mode alike; each mode goes first in one repeat of three); the table gives the median over ``--repeats`` of
 
 - wall: the launcher's process from start to exit;
 - CPU: user + system seconds of the whole process tree (the launcher, its ranks and spares, from ``os.wait4``);
@@ -122,7 +122,7 @@ def main() -> None:
     runs: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name, _ in modes}
     load = os.getloadavg()
     for repeat in range(args.repeats):
-        for name, spares in modes:
+        for name, spares in modes[repeat % 3:] + modes[:repeat % 3]:  # each mode goes first once in 3 repeats
             runs[name].append(measure(name.split()[0], spares, args.steps, args.checkpoint_every))
             wall, cpu, first, launcher = runs[name][-1]
             print(f"# run {repeat + 1} {name}: wall {wall:.1f} s, CPU {cpu:.1f} s, first step {first:.1f} s, "

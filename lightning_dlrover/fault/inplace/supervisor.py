@@ -132,7 +132,7 @@ class Supervisor:
 
     def start_spares(self) -> None:
         """Starts the hot spares owed to the pool once the ranks committed a step in generation ``_gate``."""
-        if not self._owed or self._store_lost:
+        if not self._owed or self._store_lost or self._finished:
             return
         step = membership.committed(self.store, self.restarts, self._gate)
         if step is None:
