@@ -6,6 +6,7 @@ runs the real spare side (:func:`lightning_dlrover.fault.inplace.protocol.take_r
 scheduling policies to a file before and after it is handed a rank.
 """
 
+import dataclasses
 import json
 import os
 import socket
@@ -83,3 +84,14 @@ def test_a_spare_starts_after_the_first_commit_waits_idle_and_trains_at_normal_p
     membership.publish_committed(supervisor.store, 0, 1, 6)
     supervisor.start_spares()
     assert len([w for w in supervisor.workers if w.rank is None]) == 1
+
+
+def test_workers_get_torchruns_thread_count(supervisor, monkeypatch):
+    """``torchrun`` sets ``OMP_NUM_THREADS=1`` for more than one rank per machine unless the user set it; so does
+    ``launch`` (its ranks used to run one OpenMP thread per core each, oversubscribing the cores)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    two = Supervisor(dataclasses.replace(supervisor.args, nproc_per_node=2), supervisor.store, "test-threads")
+    assert two.env(0, 0, None)["OMP_NUM_THREADS"] == "1" and two.env(None, 0, 0)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in supervisor.env(0, 0, None)  # one rank per machine: torchrun leaves it too
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert two.env(0, 0, None)["OMP_NUM_THREADS"] == "4"

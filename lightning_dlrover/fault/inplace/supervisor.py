@@ -108,6 +108,8 @@ class Supervisor:
         )  # fmt: skip
         if spare is not None:
             env[membership.SPARE_ENV] = str(spare)
+        if "OMP_NUM_THREADS" not in os.environ and a.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
+            env["OMP_NUM_THREADS"] = "1"
         return env
 
     def spawn(self, rank: int | None, local_rank: int, idle: bool = False) -> Worker:
