@@ -73,6 +73,7 @@ class FaultManager(CommitProtocol):
         self.recovered = False
         self._spill_dir: Path | None = None
         self._assignment: membership.Assignment | None = None  # the lost rank this process took, as a hot spare
+        self._recovery: inplace.InProcessRecovery | None = None
 
     # ------------------------------------------------------------------------------ launchers
     @staticmethod
@@ -119,7 +120,14 @@ class FaultManager(CommitProtocol):
     def in_process_recovery(self) -> inplace.InProcessRecovery | None:
         """The survivor and replacement sides of in-process recovery, ``None`` unless the world group is
         reconfigurable (``lightning-dlrover launch``)."""
-        return inplace.InProcessRecovery(self, self._assignment) if inplace.world_group() is not None else None
+        if inplace.world_group() is not None and self._recovery is None:
+            self._recovery = inplace.InProcessRecovery(self, self._assignment)
+        return self._recovery
+
+    def _committed(self, step: int) -> None:
+        super()._committed(step)
+        if self._recovery is not None:  # the launcher starts its hot spares after a generation's first commit
+            self._recovery.committed(step)
 
     def gather_rank_states(self) -> Tensor:
         """Every rank's generators and buffers, ``[world, n]`` (collective; for a checkpoint)."""

@@ -51,6 +51,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     "digest": ("digest", "final"),
     # In-process recovery (lightning-dlrover launch): the launcher's plan, each rank's recovery, the fallbacks
     "replacement_planned": ("generation", "lost_ranks", "replacements", "cold"),
+    # a launcher started hot spares (spare indices, their pids) after generation's first committed step (step), at
+    # "idle" (SCHED_IDLE) or "normal" CPU priority (the message says why once)
+    "spares_started": ("spares", "pids", "generation", "priority"),
     "recovered_in_process": ("survivor", "lost_ranks", "decode_s", "reshard_s", "lost_at", "failed_at",
                              "connected_at", "restored_at"),  # every rank; times are Unix seconds
     "in_process_refused": ("why", "error"),

@@ -39,6 +39,7 @@ def machine0(tmp_path, monkeypatch):
     supervisor = Supervisor(config, store, "test-slots")
     membership.heartbeat(store, 0, 1)
     membership.publish_node_ranks(store, 0, 1, [2, 3])
+    membership.publish_committed(store, 0, 0, 1)  # as the ranks do after their first commit: the spare may start
     try:
         yield supervisor
     finally:
@@ -59,6 +60,7 @@ def test_a_lost_machines_ranks_find_their_slots_taken_and_a_local_loss_finds_its
 
 def test_a_replacement_is_assigned_the_lost_ranks_slot(machine0):
     machine0.start()
+    machine0.start_spares()
     membership.publish_device(machine0.store, 0, "cuda")
     (spare,) = [w for w in machine0.workers if w.rank is None]
     machine0.replace([1])

@@ -129,9 +129,30 @@ def test_a_loss_in_the_first_step_restarts_the_job_exactly(tmp_path, reference):
                                fault="rank=1,step=0,phase=after_optimizer")
     refused = next(e for e in events if e.kind == "in_process_refused")
     assert refused.rank == 0 and refused.fields["why"] == "nothing committed yet"
+    # the hot spare starts only after the first committed step: the lost rank went to a process started cold
+    planned = next(e for e in events if e.kind == "replacement_planned")
+    assert planned.fields["cold"] == [1], planned.fields
+    started = [e for e in events if e.kind == "spares_started"]
+    assert started and all(e.step >= 1 for e in started), started  # (after the full restart)
     kinds = [e.kind for e in events]
     assert "restarting_all" in kinds and "recovered_in_process" not in kinds, kinds
     assert digest == reference
+
+
+def test_hot_spares_start_after_the_first_commit_and_again_after_a_recovery(tmp_path, reference):
+    """Being ready costs nothing before the job trains: the ranks start alone, the launcher starts its hot spare
+    once step 1 is committed (at the lowest CPU priority where a promoted spare may leave it), the spare takes the
+    lost rank, and the spare replacing it starts after the recovered job's first commit."""
+    digest, events, _ = launch(tmp_path, "ready", "--spares", "1", fault="rank=1,step=5,phase=before_forward")
+    assert_recovered_in_process(events, digest, reference, step=5)
+    started = [e for e in events if e.kind == "spares_started"]
+    planned = next(e for e in events if e.kind == "replacement_planned")
+    assert [(e.fields["generation"], len(e.fields["pids"])) for e in started] == [(0, 1), (planned.fields["generation"], 1)]
+    assert started[0].step >= 1 and started[1].step >= 5, started  # the first step committed in each generation
+    assert started[0].fields["priority"] in ("idle", "normal")  # normal where the OS would not let it leave idle
+    assert planned.fields["cold"] == []  # the spare started after step 1 was there for the loss at step 5
+    replacement = next(e for e in events if e.kind == "recovered_in_process" and not e.fields["survivor"])
+    assert replacement.pid == started[0].fields["pids"][0]
 
 
 THREE = ("--parity", "1,2")  # k=1, r=2 on 3 ranks

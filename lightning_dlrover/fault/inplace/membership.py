@@ -11,6 +11,8 @@ Keys (all under ``lightning_dlrover/<launch>/``, ``<launch>`` counting the launc
   generation ``g`` (JSON), written by the launcher that saw the loss.
 - ``device``: the device type of the job's ranks when it is not the CPU (``"cuda"``), written by the ranks; a
   launcher then hands a lost rank to a spare only where the rank's device slot is free (:mod:`.supervisor`).
+- ``committed/<g>``: the first step the ranks committed in generation ``g`` (written once per generation by each
+  rank): a launcher starts its hot spares only then, so that ranks start (and recover) without competing with them.
 - ``node/<n>/beats``: machine ``n``'s launcher's heartbeat counter; ``node/<n>/ranks``: the ranks it holds
   (JSON); ``node/<n>/done``: its ranks finished. The launcher on machine 0 (the store's host) declares a
   machine lost when its counter stops and replaces its ranks with its own spares.
@@ -154,13 +156,24 @@ def register_spare(store: Store, launch: int) -> int:
 def wait_for_assignment(store: Store, launch: int, index: int) -> Assignment:
     """Blocks until spare ``index`` of launch ``launch`` is handed a rank (as long as the job runs)."""
     key = PREFIX + f"{launch}/assign/{index}"
-    while True:
+    while True:  # blocked in the store's socket: a waiting spare uses no CPU (each timeout logs one line in C++)
         try:
-            store.wait([key], timedelta(seconds=30))
+            store.wait([key], timedelta(seconds=600))
             break
         except Exception:  # noqa: BLE001 - the store's timeout: keep waiting, the job may run for days
             continue
     return Assignment(**json.loads(store.get(key)))
+
+
+def publish_committed(store: Store, launch: int, generation: int, step: int) -> None:
+    """A rank committed ``step``, its first in ``generation`` of launch ``launch`` (each rank says it once)."""
+    _set(store, f"{launch}/committed/{generation}", str(step))
+
+
+def committed(store: Store, launch: int, generation: int) -> int | None:
+    """The first step committed in ``generation`` of launch ``launch``, ``None`` while none is."""
+    key = f"{launch}/committed/{generation}"
+    return int(_get(store, key)) if store.check([PREFIX + key]) else None
 
 
 # ----------------------------------------------------------------------------------- recovery plans

@@ -31,13 +31,15 @@ from typing import Protocol, TypeVar
 import torch.distributed as dist
 
 from lightning_dlrover.fault.host import Host
-from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace import membership, priority
 from lightning_dlrover.fault.inplace.process_group import BACKEND, ReconfigurableGroup, register
 from lightning_dlrover.fault.report import RecoveryReport
+from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor import emit
 from lightning_dlrover.worker_env import restart_count
 
 Plan = TypeVar("Plan")
+log = get_logger(__name__)
 
 
 class Rejoiner(Protocol):
@@ -128,6 +130,8 @@ def take_rank_if_spare() -> membership.Assignment | None:
         return None
     store = membership.connect()
     assignment = membership.wait_for_assignment(store, restart_count(), int(index))
+    if (refused := priority.restore()) is not None:  # the launcher started it at the lowest CPU priority
+        log.warning(f"the spare taking rank {assignment.rank} keeps the lowest CPU priority: {refused}")
     membership.become(assignment)
     membership.announce_ready(store, restart_count(), assignment)
     return assignment
@@ -141,6 +145,20 @@ class InProcessRecovery:
         # The launcher assigns a spare when it publishes the plan: the loss time of this rank's recovery.
         self.times = JoinTimes(lost_at=assignment.assigned_at if assignment is not None else None)
         self._store = membership.connect() if membership.enabled() else None
+        self._group = world_group()
+        self._told = -1  # the last generation whose first commit this rank told the launcher
+
+    def committed(self, step: int) -> None:
+        """After each commit: tells the launcher the first step committed in each generation of the world group
+        (its hot spares start only then, see :mod:`.supervisor`); nothing on later steps."""
+        group = self._group
+        if group is None or self._store is None or group.generation == self._told or group.joining:
+            return
+        self._told = group.generation
+        try:
+            membership.publish_committed(self._store, restart_count(), group.generation, step)
+        except RuntimeError as err:  # the launcher's store is gone: it cannot start spares any more anyway
+            log.warning(f"could not tell the launcher that step {step} committed ({err}); its hot spares stay unstarted")
 
     def recover(self, host: Host, error: BaseException) -> RecoveryReport | None:
         """On a survivor whose step failed with ``error``: waits for the launcher's plan, rebuilds the world group

@@ -17,6 +17,12 @@ A replacement takes the lost rank's device slot (``LOCAL_RANK``: with GPUs, the 
 machine holds it. On CPU a slot can be shared (a lost machine's ranks run beside machine 0's); when the job's ranks
 said they run on GPUs (:func:`.membership.publish_device`) a replacement that would share a GPU is refused
 (``in_process_refused`` with ``why`` ``device_taken``) and every worker restarts instead (:meth:`Supervisor.shared_devices`).
+
+Being ready costs the job nothing measurable: the ranks start alone, and a launcher starts its hot spares only once the
+job has committed its first step (the ranks say so in the store, :func:`.membership.publish_committed`), at the lowest
+CPU priority (:mod:`.priority`); a waiting spare blocks in the store and uses no CPU. The spares that replace the ones
+a recovery used start the same way, after the first step committed by the recovered job. A rank lost before then is
+taken by a process started cold (what ``--spares 0`` does).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 from lightning_dlrover import worker_env
-from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace import membership, priority
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor.events import emit
 
@@ -81,6 +87,10 @@ class Supervisor:
     _last_beat: float = 0.0
     _store_lost: bool = False
     _finished: bool = False  # this machine's ranks all finished
+    _owed: int = 0  # hot spares to start once generation ``_gate`` of the world group has committed a step
+    _gate: int = 0
+    _priority_refused: str | None = None  # why spares run at normal priority (said once)
+    _priority_said: bool = False
 
     @property
     def world_size(self) -> int:
@@ -98,13 +108,17 @@ class Supervisor:
         )  # fmt: skip
         if spare is not None:
             env[membership.SPARE_ENV] = str(spare)
+        if "OMP_NUM_THREADS" not in os.environ and a.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
+            env["OMP_NUM_THREADS"] = "1"
         return env
 
-    def spawn(self, rank: int | None, local_rank: int) -> Worker:
-        """Starts the rank ``rank``, or a spare when ``rank`` is ``None``."""
+    def spawn(self, rank: int | None, local_rank: int, idle: bool = False) -> Worker:
+        """Starts the rank ``rank``, or a spare when ``rank`` is ``None`` (``idle``: at the lowest CPU priority)."""
         spare = membership.register_spare(self.store, self.restarts) if rank is None else None
         env = self.env(rank, local_rank, spare)
         worker = Worker(subprocess.Popen([sys.executable, *self.args.program], env=env), rank, spare)
+        if idle and self._priority_refused is None:
+            self._priority_refused = priority.lower(worker.process.pid)
         self.workers.append(worker)
         if rank is not None:
             membership.publish_worker(self.store, self.restarts, rank, socket.gethostname(), worker.process.pid)
@@ -115,9 +129,26 @@ class Supervisor:
         first = a.node_rank * a.nproc_per_node
         for local in range(a.nproc_per_node):
             self.spawn(first + local, local)
-        for _ in range(a.spares):
-            self.spawn(None, 0)
+        self._owed, self._gate = a.spares, 0  # the hot spares start after the first committed step
         self.publish_ranks()
+
+    def start_spares(self) -> None:
+        """Starts the hot spares owed to the pool once the ranks committed a step in generation ``_gate``."""
+        if not self._owed or self._store_lost or self._finished:
+            return
+        step = membership.committed(self.store, self.restarts, self._gate)
+        if step is None:
+            return
+        if self._priority_refused is None and not self._priority_said:
+            self._priority_refused = priority.can_restore()
+        spares = [self.spawn(None, 0, idle=True) for _ in range(self._owed)]
+        self._owed = 0
+        how = "normal" if self._priority_refused else "idle"
+        emit("spares_started", step=step, spares=[w.spare for w in spares], pids=[w.process.pid for w in spares],
+             generation=self._gate, priority=how,
+             message=f"{len(spares)} hot spare(s) started after step {step} committed, at {how} CPU priority"
+             + (f" ({self._priority_refused})" if self._priority_refused and not self._priority_said else ""))
+        self._priority_said = self._priority_said or bool(self._priority_refused)
 
     def publish_ranks(self) -> None:
         ranks = [w.rank for w in self.workers if w.rank is not None]
@@ -186,8 +217,8 @@ class Supervisor:
         plan = membership.publish_plan(self.store, self.restarts, sorted(replacements), self.world_size, replacements,
                                        slots)
         self.publish_ranks()
-        for _ in range(len(replacements) - len(cold)):  # keep this machine's pool of hot spares full
-            self.spawn(None, 0)
+        # the pool of hot spares is refilled after the recovered job's first committed step (start_spares)
+        self._owed, self._gate = self._owed + len(replacements) - len(cold), plan.generation
         emit("replacement_planned", generation=plan.generation, lost_ranks=plan.lost,
              replacements={str(k): v for k, v in plan.replacements.items()}, cold=cold,
              message=f"generation {plan.generation}: ranks {plan.lost} replaced by spares {plan.replacements}"
@@ -243,6 +274,7 @@ class Supervisor:
             time.sleep(self.args.monitor_interval)
             for spare in [w for w in self.workers if w.rank is None and w.process.poll() is not None]:
                 self.workers.remove(spare)  # a dead spare only shrinks the pool
+            self.start_spares()
             if recovering is not None and membership.restored_ranks(self.store, self.restarts, recovering) >= self.world_size:
                 recovering = None
             failed = self.failed_ranks() + self.watch_machines(adopt=not self._finished)

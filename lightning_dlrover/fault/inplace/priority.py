@@ -1,0 +1,83 @@
+"""The CPU priority of hot spares: the lowest while they wait, the ranks' own once one takes a lost rank.
+
+A hot spare imports torch, Lightning and TorchRec beside the ranks it may one day replace; on a machine whose cores
+the ranks use, that start-up competes with training. The launcher starts its spares under Linux's ``SCHED_IDLE``
+policy (they run only on a core nobody else wants) and a spare handed a rank switches every one of its threads back
+to ``SCHED_OTHER`` (its nice value, the launcher's, is unchanged by both switches).
+
+Leaving ``SCHED_IDLE`` is a privilege: the kernel allows it only with ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` hard limit
+of at least ``20 - nice`` (``ulimit -e``). Without either, a promoted spare would train at idle priority and slow the
+whole job down, so the launcher then starts its spares at normal priority and says why once
+(:func:`can_restore`).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+#: The capability that lets a process raise its scheduling priority (bit 23 of ``CapEff``).
+CAP_SYS_NICE = 23
+
+
+def _has_cap_sys_nice() -> bool:
+    try:
+        with open("/proc/self/status") as status:
+            caps = next((line.split()[1] for line in status if line.startswith("CapEff:")), "0")
+        return bool(int(caps, 16) >> CAP_SYS_NICE & 1)
+    except OSError:
+        return False
+
+
+def can_restore() -> str | None:
+    """``None`` when a process started by this one could leave ``SCHED_IDLE`` again; else why it could not."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return "this OS has no SCHED_IDLE scheduling policy"
+    if _has_cap_sys_nice():
+        return None
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    _, hard = resource.getrlimit(resource.RLIMIT_NICE)
+    if hard == resource.RLIM_INFINITY or hard >= 20 - nice:
+        return None
+    return (f"leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE hard limit >= {20 - nice} (it is {hard}; "
+            f"raise it with `ulimit -e {20 - nice}` as root, or `nice` in /etc/security/limits.conf)")
+
+
+def lower(pid: int) -> str | None:
+    """Puts process ``pid`` (a spare just started: one thread) under ``SCHED_IDLE``; ``None``, or why not."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    except OSError as err:
+        return f"the OS refused SCHED_IDLE ({err})"
+    return None
+
+
+def restore() -> str | None:
+    """Puts every thread of this process back under ``SCHED_OTHER`` if it is under ``SCHED_IDLE``; ``None``, or
+    why it could not (the process then trains at idle priority)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return None
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    try:
+        _raise_nice_limit()
+    except (OSError, ValueError):
+        pass  # the check below says what the OS refused
+    for tid in threads:
+        try:
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
+        except OSError as err:
+            return f"the OS refused SCHED_OTHER ({err})"
+    return None
+
+
+def _raise_nice_limit() -> None:
+    """Raises the soft ``RLIMIT_NICE`` to the hard one (the kernel checks the soft limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NICE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NICE, (hard, hard))
