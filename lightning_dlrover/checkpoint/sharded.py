@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
 from lightning_dlrover import control_plane
 
@@ -44,3 +46,25 @@ def complete_sharded_state(state: dict[str, dict[str, Any]]) -> dict[str, dict[s
             if inner not in complete.setdefault(outer, {}):
                 complete[outer][inner] = ShardedTensor._init_from_local_shards_and_global_metadata([], metadata)
     return complete
+
+
+def copy_state(state: Any) -> tuple[Any, int]:
+    """A copy of nested dicts, lists and tuples whose tensors (and ``ShardedTensor`` local shards) are cloned into
+    new memory the training steps never touch, and the bytes those clones hold. Other leaves are shared (they are
+    not changed in place by training). The copy of a ``ShardedTensor`` keeps its global metadata (no collective)."""
+    if isinstance(state, ShardedTensor):
+        shards = [Shard(shard.tensor.detach().clone(), shard.metadata) for shard in state.local_shards()]
+        size = sum(shard.tensor.numel() * shard.tensor.element_size() for shard in shards)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, state.metadata()), size
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone(), state.numel() * state.element_size()
+    if isinstance(state, Mapping):
+        copied, total = copy.copy(state), 0
+        for key, value in state.items():
+            copied[key], size = copy_state(value)
+            total += size
+        return copied, total
+    if type(state) in (list, tuple):
+        pairs = [copy_state(value) for value in state]
+        return type(state)(value for value, _ in pairs), sum(size for _, size in pairs)
+    return state, 0

@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--backend", default="dcp")
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--ckpt-every", type=int, default=0)
+    parser.add_argument("--async-ckpt", action="store_true", help="DLRoverStrategy(async_checkpoint=True)")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--seed", type=int, default=7)
@@ -95,6 +96,7 @@ def main() -> None:
         sharding_types=args.sharding_types,
         constraints=constraints,
         checkpoint_backend=args.backend,
+        async_checkpoint=args.async_ckpt,
         parity=ParityConfig.parse(args.parity) if args.parity else None,
         **({"timeout": timedelta(seconds=args.pg_timeout)} if args.pg_timeout else {}),
     )
