@@ -119,8 +119,8 @@ class Checkpointing:
         error: BaseException | None = None
         try:
             pending.write(self._group, after_shards=lambda: _write_hook(pending.step))
-        except Exception as err:  # reported below, on every rank, after the ranks agree
-            error = err
+        except BaseException as err:  # reported below, on every rank, after the ranks agree (DCP's CheckpointException
+            error = _cause(err)           # is a BaseException holding every rank's error)
         ok = torch.tensor([int(error is None)], dtype=torch.int32)
         try:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._group)
@@ -183,6 +183,15 @@ class Checkpointing:
                 self._removals.append(path)
                 return
         _remove(path)
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The first rank's error inside DCP's ``CheckpointException`` (which holds every failed rank's), else ``error``."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return error
 
 
 def _remove(path: Path) -> None:

@@ -132,7 +132,7 @@ def test_user_model_async_resume_and_saves_after_fit(tmp_path):
     first = run([USER_MODEL, "--steps", "12", "--ckpt-every", "6", "--parity", "none", "--async-ckpt", "--root",
                  tmp_path, "--save-after", blocker / "x.ckpt", "--save-after", tmp_path / "after.ckpt"], tmp_path)
     failed = [e for e in read_events([tmp_path / "dlrover_events.jsonl"]) if e.kind == "checkpoint_failed"]
-    assert failed and all(e["error_type"] in ("NotADirectoryError", "CheckpointException") for e in failed)
+    assert failed and {e["error_type"] for e in failed} == {"NotADirectoryError"}
     assert latest_checkpoint(tmp_path).name == "after.ckpt", "the save before exit is complete"
     assert sorted(p.name for p in tmp_path.glob("*.partial")) == []
     resumed = run([USER_MODEL, "--steps", "12", "--parity", "none", "--async-ckpt", "--root", tmp_path / "again",
