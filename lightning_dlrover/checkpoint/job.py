@@ -72,10 +72,12 @@ def prepare(
     barrier: Callable[[str], None],
     extra_meta: Callable[[], dict[str, Any]],
     copy: bool = False,
+    reuse: PendingSave | None = None,
 ) -> PendingSave:
     """Gathers what a checkpoint of ``checkpoint`` (Lightning's dict; its ``state_dict`` is taken out and saved
     sharded) at ``path`` holds (a collective). With ``copy``, every tensor is copied (see
-    :func:`~lightning_dlrover.checkpoint.sharded.copy_state`), so training may go on while it is written.
+    :func:`~lightning_dlrover.checkpoint.sharded.copy_state`), so training may go on while it is written, into the
+    copy of ``reuse`` (an earlier save whose write is over) where the shapes agree.
     ``extra_meta`` (a collective, called on every rank) returns entries rank 0 adds to ``meta.pt``;
     ``barrier(name)`` synchronises the ranks."""
     staging = directory.staging_path(path)
@@ -88,7 +90,8 @@ def prepare(
     info = {"global_step": checkpoint["global_step"], "world_size": world_size, "backend": backend.name}
     staged = 0
     if copy:
-        (sharded, meta), staged = copy_state((sharded, meta))
+        old = (reuse.sharded, reuse.meta) if reuse is not None else None
+        (sharded, meta), staged = copy_state((sharded, meta), old)
     return PendingSave(path, staging, backend, sharded, meta, info if is_global_zero else None,
                        int(checkpoint["global_step"]), staged)
 

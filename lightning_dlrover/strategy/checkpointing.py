@@ -1,7 +1,8 @@
 """How ``DLRoverStrategy`` writes its checkpoints: blocking (the default) or asynchronous (``async_checkpoint=True``).
 
-An asynchronous save blocks training only while the state is gathered and copied (every tensor cloned into memory
-the next steps do not touch: :func:`~lightning_dlrover.checkpoint.sharded.copy_state`); a background thread then
+An asynchronous save blocks training only while the state is gathered and copied (every tensor copied into memory
+the next steps do not touch: :func:`~lightning_dlrover.checkpoint.sharded.copy_state`; the copy of the previous save
+is reused once its write is over, so the staging memory is allocated once); a background thread then
 writes every rank's shards and rank 0's ``meta.pt`` under the temporary name (``<path>.partial``), agrees with the
 other ranks' threads that every part is written, and only then renames it to ``path`` (the commit). Until then the
 checkpoint does not exist for anyone: not for ``last.ckpt``, a resume, nor the fault manager's fallback (they only
@@ -79,6 +80,7 @@ class Checkpointing:
         self._group: Any = None
         self._thread: threading.Thread | None = None
         self._in_flight: job.PendingSave | None = None
+        self._last: job.PendingSave | None = None  # the last save whose write is over: its copy is reused
         self._removals: list[Path] = []
         self._lock = threading.Lock()
         self._reported_staging = self._wait_at_exit = self._broken = self._abandoned = False
@@ -100,13 +102,14 @@ class Checkpointing:
         if self._group is None or not control_plane.all_true(not self._broken):
             self._group, self._broken = dist.new_group(backend="gloo", timeout=self._writer_timeout()), False
         pending = job.prepare(checkpoint, path, strategy.checkpoint_backend, strategy.fused_optimizer, copy=True,
-                              **kwargs)
+                              reuse=self._last, **kwargs)
+        self._last = None
         self.last_blocked_s = time.perf_counter() - start
         if not self._reported_staging:
             self._reported_staging = True
             emit("checkpoint_staging", step=pending.step,
-                 bytes=pending.staged_bytes, message=f"asynchronous checkpoints stage {pending.staged_bytes} bytes "
-                 "on this rank while a save is in flight (a copy of its shards, optimizer and trainer state)")
+                 bytes=pending.staged_bytes, message=f"asynchronous checkpoints hold {pending.staged_bytes} bytes of "
+                 "staging memory on this rank (a copy of its shards, optimizer and trainer state, reused by every save)")
         self._in_flight = pending
         self._thread = threading.Thread(target=self._write, args=(pending, strategy.is_global_zero, start),
                                         name="dlrover-checkpoint-writer", daemon=True)
@@ -131,7 +134,7 @@ class Checkpointing:
             error, ok, self._broken = error or err, torch.tensor([0]), True
         with self._lock:
             removals, self._removals = self._removals, []
-            self._in_flight = None
+            self._in_flight, self._last = None, pending  # its copy is the next save's staging memory
         if ok.item():
             if is_global_zero:
                 for path in removals:

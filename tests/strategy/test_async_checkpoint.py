@@ -108,7 +108,7 @@ def test_rank_killed_during_background_write_keeps_the_previous_checkpoint(tmp_p
 def test_failed_background_write_is_an_event_and_training_goes_on(tmp_path, straight):
     """Rank 1's write of the step-8 checkpoint fails with ENOSPC (disk full): both ranks record
     ``checkpoint_failed``, a warning names the newest complete checkpoint, nothing of step 8 is left, and training
-    goes on (later saves commit, the run ends as one without the failure)."""
+    goes on (later saves commit and hold their step's state, the run ends as one without the failure)."""
     ckpt = tmp_path / "ckpt"
     out = run([TRAIN_SCRIPT, "--steps", "16", "--ckpt-dir", ckpt, "--ckpt-every", "4", "--digest-every", "4",
                "--async-ckpt"], tmp_path, env={WRITE_HOOK_ENV: "fail=ENOSPC,step=8,rank=1"}).stdout
@@ -120,6 +120,10 @@ def test_failed_background_write_is_an_event_and_training_goes_on(tmp_path, stra
     assert by_rank[1]["error_type"] == "OSError" and "No space left on device" in by_rank[1]["error"]
     assert os.path.basename(by_rank[0]["kept"]) == "epoch=0-step=4.ckpt"
     assert "was not saved" in out and "No space left on device" in out
+    # the step-12 save copied into the staging memory of the failed one: it holds the state of step 12
+    resumed = digests(train(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4",
+                            "--resume", str(ckpt / "epoch=0-step=12.ckpt")).stdout)
+    assert resumed["12"] == straight["12"] and resumed["end"] == straight["end"]
 
 
 def test_user_model_async_resume_and_saves_after_fit(tmp_path):
