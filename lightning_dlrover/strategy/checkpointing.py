@@ -122,20 +122,22 @@ class Checkpointing:
         error: BaseException | None = None
         try:
             pending.write(self._group, after_shards=lambda: _write_hook(pending.step))
-        except BaseException as err:  # reported below, on every rank, after the ranks agree (DCP's CheckpointException
-            error = _cause(err)           # is a BaseException holding every rank's error)
-        ok = torch.tensor([int(error is None)], dtype=torch.int32)
+        except BaseException as err:  # reported below, after the ranks agree; DCP's CheckpointException is a
+            error = _cause(err)  # BaseException holding every failed rank's error
+        committed = False
         try:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._group)
-            if ok.item():
-                pending.commit()
-                dist.barrier(group=self._group)
+            if self._agree(error is None):  # every rank's part is written
+                try:
+                    pending.commit()
+                except Exception as err:  # the rename failed (rank 0): nobody counts it
+                    error = err
+                committed = self._agree(error is None)
         except Exception as err:  # a peer died or timed out: the checkpoint never counts
-            error, ok, self._broken = error or err, torch.tensor([0]), True
+            error, self._broken = error or err, True
         with self._lock:
             removals, self._removals = self._removals, []
             self._in_flight, self._last = None, pending  # its copy is the next save's staging memory
-        if ok.item():
+        if committed:
             if is_global_zero:
                 for path in removals:
                     _remove(path)
@@ -152,6 +154,12 @@ class Checkpointing:
         log.warning(f"lightning_dlrover: the asynchronous checkpoint {pending.path} was not saved ({why}); training "
                     f"goes on, the newest complete checkpoint is {kept if is_global_zero else 'unchanged'}. Free disk "
                     "space or fix the directory's permissions.")
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank's writer (a collective over the writers' group)."""
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
 
     def _writer_timeout(self) -> timedelta:
         """How long a rank's writer waits for the others': a slow disk is no failure, so at least an hour (the
