@@ -17,12 +17,14 @@ asks for while a save is in flight are done after its commit, so the previous ch
 counts. ``fit`` waits for the last save at its end, a load waits before it reads, and a process exiting normally
 waits at exit.
 
-Why not DCP's ``async_save``: it only covers the shards (``dcp.save`` in a thread or process), while ``meta.pt``,
-the ranks' agreement and the rename must run after it in the background too, and for the ``torchsnapshot`` backend
-alike; its default stager deep-copies the state dict, which also copies each ``ShardedTensor``'s process group
-handle, and its process mode starts a second process group per save. So the background thread calls the backend's
-own ``save`` on the staged copy, over a gloo group of its own (created once, on the first save), so that its
-collectives never interleave with training's on the default group or the control plane.
+Why not DCP's ``async_save`` (torch 2.13): it only covers the shards (``dcp.save`` in a thread or a process), while
+``meta.pt``, the ranks' agreement and the rename must run after it in the background too, and for the
+``torchsnapshot`` backend alike; its default stager cannot copy a ``ShardedTensor`` (``StateDictStager`` calls
+``data_ptr()`` on it: ``RuntimeError: torch function 'data_ptr' ... ShardedTensor``, tried here), so the copy is
+:func:`~lightning_dlrover.checkpoint.sharded.copy_state`'s either way; its process mode (a spawned daemon process
+with a process group of its own, the staged state sent through a pipe) was not tried. So the background thread calls the backend's own ``save`` (for ``dcp``: ``dcp.save`` with ``process_group=``) on the
+staged copy, over a gloo group of its own (created on the first save), so that its collectives never interleave
+with training's on the default group or the control plane.
 """
 
 from __future__ import annotations
