@@ -22,9 +22,10 @@ Why not DCP's ``async_save`` (torch 2.13): it only covers the shards (``dcp.save
 ``torchsnapshot`` backend alike; its default stager cannot copy a ``ShardedTensor`` (``StateDictStager`` calls
 ``data_ptr()`` on it: ``RuntimeError: torch function 'data_ptr' ... ShardedTensor``, tried here), so the copy is
 :func:`~lightning_dlrover.checkpoint.sharded.copy_state`'s either way; its process mode (a spawned daemon process
-with a process group of its own, the staged state sent through a pipe) was not tried. So the background thread calls the backend's own ``save`` (for ``dcp``: ``dcp.save`` with ``process_group=``) on the
-staged copy, over a gloo group of its own (created on the first save), so that its collectives never interleave
-with training's on the default group or the control plane.
+with a process group of its own, the staged state sent through a pipe) was not tried. So the background thread
+calls the backend's own ``save`` (for ``dcp``: ``dcp.save`` with ``process_group=``) on the staged copy, over a gloo
+group of its own (created on the first save), so that its collectives never interleave with training's on the
+default group or the control plane.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ from lightning_dlrover.strategy import process_exit
 log = get_logger(__name__)
 
 #: Environment variable for drills and tests: ``sleep=S`` sleeps ``S`` seconds in the background writer after the
-#: shards are written, before ``meta.pt`` and the commit; ``fail=ENOSPC`` (any ``errno`` name) raises that ``OSError`` there.
-#: ``,rank=R`` and ``,step=S`` restrict it to one rank, one checkpoint step.
+#: shards are written, before ``meta.pt`` and the commit; ``fail=ENOSPC`` (any ``errno`` name) raises that
+#: ``OSError`` there. ``,rank=R`` and ``,step=S`` restrict it to one rank, one checkpoint step.
 WRITE_HOOK_ENV = "LIGHTNING_DLROVER_CHECKPOINT_WRITE_HOOK"
 #: The least time a rank's background writer waits for the other ranks' (their writes may be slow).
 WRITER_TIMEOUT = timedelta(hours=1)
@@ -109,9 +110,9 @@ class Checkpointing:
         self.last_blocked_s = time.perf_counter() - start
         if not self._reported_staging:
             self._reported_staging = True
-            emit("checkpoint_staging", step=pending.step,
-                 bytes=pending.staged_bytes, message=f"asynchronous checkpoints hold {pending.staged_bytes} bytes of "
-                 "staging memory on this rank (a copy of its shards, optimizer and trainer state, reused by every save)")
+            emit("checkpoint_staging", step=pending.step, bytes=pending.staged_bytes,
+                 message=f"asynchronous checkpoints hold {pending.staged_bytes} bytes of staging memory on this rank "
+                 "(a copy of its shards, optimizer and trainer state, reused by every save)")
         self._in_flight = pending
         self._thread = threading.Thread(target=self._write, args=(pending, strategy.is_global_zero, start),
                                         name="dlrover-checkpoint-writer", daemon=True)

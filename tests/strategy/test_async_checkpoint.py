@@ -70,17 +70,21 @@ def test_slow_background_write_holds_its_step_and_the_next_save_waits(tmp_path, 
 
 def test_rank_killed_during_background_write_keeps_the_previous_checkpoint(tmp_path, straight):
     """Rank 1 is SIGKILLed while its writer is inside the step-8 save (shards written, no commit): the step-8
-    checkpoint never counts, the step-4 one is the newest, and a resume from it continues exactly."""
+    checkpoint never counts, the step-4 one is the newest, and a resume from it continues exactly. ``ModelCheckpoint``
+    keeps one checkpoint (``save_top_k=1``), so it asks for step 4's removal right after asking for step 8: the
+    removal waits for step 8's commit, which never comes."""
     ckpt = tmp_path / "ckpt"
     job = start([sys.executable, str(TRAIN_SCRIPT), "--steps", "16", "--ckpt-dir", str(ckpt), "--ckpt-every", "4",
-                 "--async-ckpt", "--pg-timeout", "60"], tmp_path, env={WRITE_HOOK_ENV: "sleep=120,step=8,rank=1"})
+                 "--async-ckpt", "--pg-timeout", "60", "--save-top-k", "1"], tmp_path,
+                env={WRITE_HOOK_ENV: "sleep=120,step=8,rank=1"})
     try:
         shards = ckpt / "epoch=0-step=8.ckpt.partial" / "sharded" / ".metadata"
         deadline = time.monotonic() + 150
         while not shards.exists():  # every rank's shards of step 8 are written; rank 1's writer sleeps now
             if job.poll() is not None or time.monotonic() > deadline:
                 os.killpg(job.pid, signal.SIGKILL)
-                pytest.fail(f"the job ended or hung before its step-8 shards were written:\n{job.communicate()[0][-4000:]}")
+                out = job.communicate()[0]
+                pytest.fail(f"the job ended or hung before its step-8 shards were written:\n{out[-4000:]}")
             time.sleep(0.2)
         rank1 = {e.pid for e in read_events([tmp_path / "dlrover_events.jsonl"]) if e.rank == 1}
         assert len(rank1) == 1
