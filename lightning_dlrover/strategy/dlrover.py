@@ -69,14 +69,14 @@ class DLRoverStrategy(DDPStrategy):
             in-backward optimizer inside the kernel).
         constraints: per-table planner constraints, keyed by table name.
         checkpoint_backend: ``"dcp"`` (``torch.distributed.checkpoint``) or ``"torchsnapshot"``.
-        async_checkpoint: a save blocks training only while the state is copied; the write and the commit run in
-            the background (see :mod:`~lightning_dlrover.strategy.checkpointing`).
         parity: erasure-code the embedding shards and their optimizer state across ranks (``None``: off).
         print_digest: at the end of ``fit``, print ``state digest: <sha256>`` of the whole training state
             on rank 0 (a collective over all shards; costs one pass over the state).
         init_from: an export directory (``lightning-dlrover export --out DIR``: its ``model.pt``, the unsharded
             state dict) the first ``fit`` starts from: the model is sharded, then every rank copies in its own shards'
             rows; optimizer and trainer state start fresh (step 0). A checkpoint to resume from (``ckpt_path``) wins.
+        async_checkpoint: a save blocks training only while the state is copied; the write and the commit run in
+            the background (see :mod:`~lightning_dlrover.strategy.checkpointing`).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in :class:`~lightning.pytorch.strategies.DDPStrategy`.
             ``timeout`` also bounds how long a survivor waits on a dead peer before it gives up and spills.
@@ -90,10 +90,10 @@ class DLRoverStrategy(DDPStrategy):
         compute_kernel: str = "fused",
         constraints: dict[str, TableConstraint] | None = None,
         checkpoint_backend: Literal["dcp", "torchsnapshot"] = "dcp",
-        async_checkpoint: bool = False,
         parity: ParityConfig | None = None,
         print_digest: bool = True,
         init_from: str | Path | None = None,
+        async_checkpoint: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
