@@ -81,6 +81,7 @@ class Checkpointing:
         self.asynchronous = asynchronous
         self.timeout = timeout
         self._group: Any = None
+        self._made_for: Any = None  # the default group the writers' group was made for
         self._thread: threading.Thread | None = None
         self._in_flight: job.PendingSave | None = None
         self._last: job.PendingSave | None = None  # the last save whose write is over: its copy is reused
@@ -100,10 +101,13 @@ class Checkpointing:
             self.last_blocked_s = time.perf_counter() - start
             return
         self.wait(path)
-        # every rank saves together, so every rank (re)creates the group together; a group whose collective failed
-        # (a peer's writer timed out) cannot be used again
-        if self._group is None or not control_plane.all_true(not self._broken):
+        # every rank saves together, so every rank (re)creates the group together: at the first save, after a
+        # collective of it failed (a peer's writer timed out: the group cannot be used again), or for a new default
+        # group (a replaced rank); one vote, so a rank that never had a group agrees with those that had one
+        usable = self._group is not None and not self._broken and self._made_for is dist.group.WORLD
+        if not control_plane.all_true(usable):
             self._group, self._broken = dist.new_group(backend="gloo", timeout=self._writer_timeout()), False
+            self._made_for = dist.group.WORLD
         pending = job.prepare(checkpoint, path, strategy.checkpoint_backend, strategy.fused_optimizer, copy=True,
                               reuse=self._last, **kwargs)
         self._last = None
