@@ -7,6 +7,9 @@ state exists, and then, for each backend (``dcp``, ``torchsnapshot``), measures:
 
 - save: ``trainer.save_checkpoint(path)``, the strategy's whole path (sharded state through the
   backend, ``meta.pt``, commit by rename), into a fresh directory every time;
+- blocked (methods ``<backend>+async``: ``DLRoverStrategy(async_checkpoint=True)``): the time
+  ``trainer.save_checkpoint`` holds training (the state copied into staging memory), beside the save time
+  until the background write is committed; for the blocking methods blocked = save;
 - restore: ``trainer.strategy.load_checkpoint(path)`` on every rank (a collective);
 - disk: the bytes the checkpoint directory occupies (``du``);
 - reference (``torch.save``): every rank ``torch.save``-s its local shards (and rank 0 the replicated
@@ -24,6 +27,11 @@ the sizes (within 10%, the one that can also restore onto more ranks).
     PYTHONPATH=. python bench/bench_checkpoint.py                    # 64, 256, 1024 MiB, under a minute
     PYTHONPATH=. python bench/bench_checkpoint.py --quick            # 8 MiB, seconds
     PYTHONPATH=. python bench/bench_checkpoint.py --sizes-mb 512 --backends dcp
+    PYTHONPATH=. python bench/bench_checkpoint.py --sizes-mb 256 1024 1904 --backends dcp --async-only
+
+With ``--e2e-steps N`` it also trains a fresh model of each size for ``N`` steps with a ``ModelCheckpoint`` every
+``--e2e-every`` steps, once with blocking and once with asynchronous saves, and prints the wall time of ``fit`` and
+the CPU seconds of all ranks' processes (user + system, every thread) during it.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import resource
 import shutil
 import statistics
 import sys
@@ -67,6 +76,7 @@ class Sample:
     save_s: float
     restore_s: float
     disk_bytes: int
+    blocked_s: float = 0.0
 
 
 @dataclass
@@ -79,6 +89,7 @@ class Row:
     save_s: float
     restore_s: float
     disk_bytes: int
+    blocked_s: float
 
 
 def parse_args() -> argparse.Namespace:
@@ -94,6 +105,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=256, help="global batch size of those steps")
     parser.add_argument("--tmp", default="/tmp", help="parent of the temporary checkpoint directory")
     parser.add_argument("--quick", action="store_true", help="one tiny size (8 MiB): a smoke test")
+    parser.add_argument("--async-only", action="store_true",
+                        help="measure only the backends with asynchronous saves (and torch.save), not blocking ones")
+    parser.add_argument("--no-async", action="store_true", help="measure only blocking saves")
+    parser.add_argument("--e2e-steps", type=int, default=0, help="also time a fit of N steps, sync vs async")
+    parser.add_argument("--e2e-every", type=int, default=10, help="steps between its checkpoints (default: 10)")
     args = parser.parse_args()
     if args.quick:
         args.sizes_mb = [8]
@@ -174,13 +190,24 @@ def remove(trainer: pl.Trainer, path: Path) -> None:
 
 
 def measure_backend(trainer: pl.Trainer, backend: str, path: Path) -> Sample:
-    """One save through the strategy with ``backend`` into ``path``, then one restore from it."""
+    """One save through the strategy with ``backend`` (``<name>+async``: an asynchronous save) into ``path``, then
+    one restore from it."""
     strategy = trainer.strategy
     assert isinstance(strategy, DLRoverStrategy)
-    strategy.checkpoint_backend = get_backend(backend)
-    save_s = timed(trainer, lambda: trainer.save_checkpoint(path))
+    name, _, mode = backend.partition("+")
+    strategy.checkpoint_backend = get_backend(name)
+    strategy.checkpointing.asynchronous = mode == "async"
+    strategy.barrier()
+    start = time.perf_counter()
+    trainer.save_checkpoint(path)
+    strategy.barrier()
+    blocked_s = time.perf_counter() - start
+    strategy.checkpointing.wait()
+    strategy.barrier()
+    save_s = time.perf_counter() - start
+    strategy.checkpointing.asynchronous = False
     restore_s = timed(trainer, lambda: strategy.load_checkpoint(path))
-    return Sample(save_s, restore_s, disk_bytes(path) if trainer.is_global_zero else 0)
+    return Sample(save_s, restore_s, disk_bytes(path) if trainer.is_global_zero else 0, blocked_s)
 
 
 def measure_torch_save(trainer: pl.Trainer, path: Path) -> Sample:
@@ -198,7 +225,7 @@ def measure_torch_save(trainer: pl.Trainer, path: Path) -> Sample:
 
     save_s = timed(trainer, lambda: torch.save(tensors, file))
     restore_s = timed(trainer, restore)
-    return Sample(save_s, restore_s, disk_bytes(path) if trainer.is_global_zero else 0)
+    return Sample(save_s, restore_s, disk_bytes(path) if trainer.is_global_zero else 0, save_s)
 
 
 def measure_size(args: argparse.Namespace, size_mb: int) -> list[Row]:
@@ -206,7 +233,8 @@ def measure_size(args: argparse.Namespace, size_mb: int) -> list[Row]:
     trainer = train(args, size_mb)
     tmp = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.tmp) if trainer.is_global_zero else ""
     root = Path(trainer.strategy.broadcast(tmp))
-    methods = [*args.backends, TORCH_SAVE]
+    asynchronous = [] if args.no_async else [f"{b}+async" for b in args.backends]
+    methods = [*([] if args.async_only else args.backends), *asynchronous, TORCH_SAVE]
     samples: dict[str, list[Sample]] = {method: [] for method in methods}
     try:
         nbytes = state_bytes(trainer)
@@ -224,12 +252,13 @@ def measure_size(args: argparse.Namespace, size_mb: int) -> list[Row]:
     return rows
 
 
-def median(samples: list[Sample]) -> tuple[float, float, int]:
-    """Median save and restore seconds and the largest disk size of ``samples``."""
+def median(samples: list[Sample]) -> tuple[float, float, int, float]:
+    """Median save and restore seconds, the largest disk size and the median blocked seconds of ``samples``."""
     return (
         statistics.median(s.save_s for s in samples),
         statistics.median(s.restore_s for s in samples),
         max(s.disk_bytes for s in samples),
+        statistics.median(s.blocked_s for s in samples),
     )
 
 
@@ -242,14 +271,15 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     print(f"\nDLRoverStrategy checkpoints: {args.devices} ranks (gloo, CPU), 26 tables x {args.embedding_dim} columns, "
           f"median of {args.repeats}.\nemb: fp32 table weights; state: tables + fused optimizer state, summed over "
           f"ranks; save/ts, rest/ts: time relative to {TORCH_SAVE} of each rank's local tensors.")
-    header = (f"{'emb MiB':>8}{'state MiB':>10}  {'method':<14}{'save s':>8}{'restore s':>10}{'save GB/s':>10}"
-              f"{'rest GB/s':>10}{'disk MiB':>9}{'save/ts':>9}{'rest/ts':>9}")
+    header = (f"{'emb MiB':>8}{'state MiB':>10}  {'method':<20}{'blocked s':>10}{'save s':>8}{'restore s':>10}"
+              f"{'save GB/s':>10}{'rest GB/s':>10}{'disk MiB':>9}{'save/ts':>9}{'rest/ts':>9}")
     print(header)
     print("-" * len(header))
     reference = {r.size_mb: r for r in rows if r.method == TORCH_SAVE}
     for r in rows:
         ref = reference[r.size_mb]
-        print(f"{r.size_mb:>8}{r.state_bytes / MiB:>10.1f}  {r.method:<14}{r.save_s:>8.3f}{r.restore_s:>10.3f}"
+        print(f"{r.size_mb:>8}{r.state_bytes / MiB:>10.1f}  {r.method:<20}{r.blocked_s:>10.3f}{r.save_s:>8.3f}"
+              f"{r.restore_s:>10.3f}"
               f"{r.state_bytes / GB / r.save_s:>10.2f}{r.state_bytes / GB / r.restore_s:>10.2f}"
               f"{r.disk_bytes / MiB:>9.1f}{r.save_s / ref.save_s:>9.2f}{r.restore_s / ref.restore_s:>9.2f}")
 
@@ -261,8 +291,10 @@ def recommend(rows: list[Row]) -> str:
     """
     totals = {
         backend: sum(r.save_s + r.restore_s for r in rows if r.method == backend)
-        for backend in dict.fromkeys(r.method for r in rows if r.method != TORCH_SAVE)
+        for backend in dict.fromkeys(r.method for r in rows if r.method != TORCH_SAVE and "+" not in r.method)
     }
+    if not totals:
+        return "recommendation: no blocking backend was measured; nothing to compare."
     if len(totals) < 2:
         return f"recommendation: only {next(iter(totals))!r} was measured; nothing to compare."
     (best, best_s), (other, other_s) = sorted(totals.items(), key=lambda item: item[1])[:2]
@@ -276,16 +308,56 @@ def recommend(rows: list[Row]) -> str:
     return f"recommendation: checkpoint_backend={best!r}: the speeds tie within {NOISE:.0%} ({summary})"
 
 
+def end_to_end(args: argparse.Namespace, size_mb: int, asynchronous: bool) -> tuple[float, float, int]:
+    """Wall seconds of a fit of ``--e2e-steps`` steps with a checkpoint every ``--e2e-every`` steps, the CPU seconds
+    all ranks' processes spent during it, and the number of checkpoints written."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    sizes = [rows_per_table(size_mb, args.embedding_dim)] * NUM_SPARSE
+    tmp = tempfile.mkdtemp(prefix="bench_e2e_", dir=args.tmp)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.devices, max_steps=args.e2e_steps, limit_val_batches=0, logger=False,
+        strategy=DLRoverStrategy(checkpoint_backend=args.backends[0], print_digest=False,
+                                 async_checkpoint=asynchronous),
+        callbacks=[ModelCheckpoint(dirpath=tmp, every_n_train_steps=args.e2e_every, save_top_k=1)],
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp,
+    )
+    model = DLRMModule(sizes, embedding_dim=args.embedding_dim)
+    data = DLRMDataModule(sizes, global_batch_size=args.batch, train_batches=args.e2e_steps, val_batches=0)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.perf_counter()
+    trainer.fit(model, data)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = torch.tensor([after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime], dtype=torch.float64)
+    dist.all_reduce(cpu)
+    trainer.strategy.barrier()
+    if trainer.is_global_zero:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return wall, float(cpu.item()), args.e2e_steps // args.e2e_every
+
+
 def main() -> None:
     args = parse_args()
     quiet()
     rows: list[Row] = []
+    e2e: list[tuple[int, str, float, float, int]] = []
     for size_mb in args.sizes_mb:
         rows.extend(measure_size(args, size_mb))
         gc.collect()  # the trainer and its model of this size
+        if args.e2e_steps:
+            for asynchronous in (False, True):
+                e2e.append((size_mb, "async" if asynchronous else "sync", *end_to_end(args, size_mb, asynchronous)))
+                gc.collect()
     if dist.get_rank() == 0:
         print_table(rows, args)
         print(recommend(rows))
+        if e2e:
+            print(f"\nEnd to end: fit of {args.e2e_steps} steps (global batch {args.batch}), a checkpoint every "
+                  f"{args.e2e_every} steps ({args.backends[0]}); wall of fit on rank 0, CPU of all ranks' processes.")
+            print(f"{'emb MiB':>8}  {'saves':<6}{'checkpoints':>12}{'wall s':>9}{'CPU s':>9}")
+            for size_mb, mode, wall, cpu, count in e2e:
+                print(f"{size_mb:>8}  {mode:<6}{count:>12}{wall:>9.2f}{cpu:>9.2f}")
 
 
 if __name__ == "__main__":

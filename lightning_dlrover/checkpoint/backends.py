@@ -20,8 +20,8 @@ class CheckpointBackend(ABC):
     restores_onto_new_ranks: bool = True
 
     @abstractmethod
-    def save(self, state: dict[str, Any], path: Path) -> None:
-        """Writes ``state`` under the directory ``path`` (collective)."""
+    def save(self, state: dict[str, Any], path: Path, group: Any = None) -> None:
+        """Writes ``state`` under the directory ``path`` (collective over ``group``; ``None``: the default group)."""
 
     @abstractmethod
     def load(self, state: dict[str, Any], path: Path) -> None:
@@ -33,10 +33,10 @@ class DCPBackend(CheckpointBackend):
 
     name = "dcp"
 
-    def save(self, state: dict[str, Any], path: Path) -> None:
+    def save(self, state: dict[str, Any], path: Path, group: Any = None) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(state, checkpoint_id=str(path))
+        dcp.save(state, checkpoint_id=str(path), process_group=group)
 
     def load(self, state: dict[str, Any], path: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -51,11 +51,11 @@ class TorchSnapshotBackend(CheckpointBackend):
     # torchsnapshot 0.1.0 gives a rank beyond the saved world size only replicated entries (measured).
     restores_onto_new_ranks = False
 
-    def save(self, state: dict[str, Any], path: Path) -> None:
+    def save(self, state: dict[str, Any], path: Path, group: Any = None) -> None:
         from torchsnapshot import Snapshot, StateDict
 
         # Tensors that are not sharded are replicated (dense parameters): stored once, readable by any rank.
-        Snapshot.take(str(path), app_state={"state": StateDict(state)}, replicated=["**"])
+        Snapshot.take(str(path), app_state={"state": StateDict(state)}, pg=group, replicated=["**"])
 
     def load(self, state: dict[str, Any], path: Path) -> None:
         from torchsnapshot import Snapshot, StateDict

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from lightning_dlrover.checkpoint import directory
 from lightning_dlrover.checkpoint.backends import CheckpointBackend, get_backend
-from lightning_dlrover.checkpoint.sharded import complete_sharded_state
+from lightning_dlrover.checkpoint.sharded import complete_sharded_state, copy_state
 
 if TYPE_CHECKING:
     from torchrec.optim.keyed import KeyedOptimizer
@@ -23,6 +24,76 @@ if TYPE_CHECKING:
 def fused_optimizer_state(optimizer: KeyedOptimizer) -> dict[str, Any]:
     """The fused optimizer's state (not its hyper-parameters, which come from the model), keyed alike on every rank."""
     return complete_sharded_state(optimizer.state_dict()["state"])
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose state is gathered on every rank but not written yet (see :func:`prepare`)."""
+
+    path: Path
+    staging: Path
+    backend: CheckpointBackend
+    sharded: dict[str, Any]
+    meta: dict[str, Any] | None  # rank 0 only
+    info: dict[str, Any] | None  # rank 0 only
+    #: The global step the checkpoint holds.
+    step: int
+    #: Bytes of the copy :func:`prepare` made (0 when it made none).
+    staged_bytes: int = 0
+
+    def write(self, group: Any = None, after_shards: Callable[[], None] | None = None) -> None:
+        """Writes every rank's shards, then (after ``after_shards``) on rank 0 ``meta.pt`` and ``dlrover.json``,
+        under the temporary name (a collective over ``group``). The checkpoint does not count until :meth:`commit`."""
+        self.backend.save(self.sharded, self.staging / directory.SHARDED_DIR, group=group)
+        if after_shards is not None:
+            after_shards()
+        if self.meta is not None and self.info is not None:
+            directory.write_meta(self.staging, self.meta, self.info)
+
+    def commit(self) -> None:
+        """Renames the written checkpoint to its final name (rank 0; call once every rank's :meth:`write` is done)."""
+        if self.meta is not None:
+            directory.publish(self.staging, self.path)
+
+    def discard(self) -> None:
+        """Removes what a failed :meth:`write` left under the temporary name (rank 0)."""
+        if self.meta is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def prepare(
+    checkpoint: dict[str, Any],
+    path: Path,
+    backend: CheckpointBackend,
+    fused_optimizer: KeyedOptimizer,
+    *,
+    world_size: int,
+    is_global_zero: bool,
+    barrier: Callable[[str], None],
+    extra_meta: Callable[[], dict[str, Any]],
+    copy: bool = False,
+    reuse: PendingSave | None = None,
+) -> PendingSave:
+    """Gathers what a checkpoint of ``checkpoint`` (Lightning's dict; its ``state_dict`` is taken out and saved
+    sharded) at ``path`` holds (a collective). With ``copy``, every tensor is copied (see
+    :func:`~lightning_dlrover.checkpoint.sharded.copy_state`), so training may go on while it is written, into the
+    copy of ``reuse`` (an earlier save whose write is over) where the shapes agree.
+    ``extra_meta`` (a collective, called on every rank) returns entries rank 0 adds to ``meta.pt``;
+    ``barrier(name)`` synchronises the ranks."""
+    staging = directory.staging_path(path)
+    if is_global_zero and staging.exists():
+        shutil.rmtree(staging)
+    extra = extra_meta()
+    barrier("dlrover_checkpoint_staging")
+    sharded = {"model": checkpoint.pop("state_dict"), "fused_optimizer": fused_optimizer_state(fused_optimizer)}
+    meta = {**checkpoint, **extra} if is_global_zero else None
+    info = {"global_step": checkpoint["global_step"], "world_size": world_size, "backend": backend.name}
+    staged = 0
+    if copy:
+        old = (reuse.sharded, reuse.meta) if reuse is not None else None
+        (sharded, meta), staged = copy_state((sharded, meta), old)
+    return PendingSave(path, staging, backend, sharded, meta, info if is_global_zero else None,
+                       int(checkpoint["global_step"]), staged)
 
 
 def save(
@@ -36,23 +107,13 @@ def save(
     barrier: Callable[[str], None],
     extra_meta: Callable[[], dict[str, Any]],
 ) -> None:
-    """Writes ``checkpoint`` (Lightning's dict; its ``state_dict`` is taken out and saved sharded) as a checkpoint
-    directory at ``path``, under a temporary name renamed when complete, so a crash never leaves a partial checkpoint
-    at ``path``. ``extra_meta`` (a collective, called on every rank) returns entries rank 0 adds to ``meta.pt``;
-    ``barrier(name)`` synchronises the ranks."""
-    staging = directory.staging_path(path)
-    if is_global_zero and staging.exists():
-        shutil.rmtree(staging)
-    extra = extra_meta()
-    barrier("dlrover_checkpoint_staging")
-    sharded = {"model": checkpoint.pop("state_dict"), "fused_optimizer": fused_optimizer_state(fused_optimizer)}
-    backend.save(sharded, staging / directory.SHARDED_DIR)
-    if is_global_zero:
-        info = {"global_step": checkpoint["global_step"], "world_size": world_size, "backend": backend.name}
-        directory.write_meta(staging, {**checkpoint, **extra}, info)
+    """Writes ``checkpoint`` as a checkpoint directory at ``path`` (see :func:`prepare`), under a temporary name
+    renamed when every rank's part is written, so a crash never leaves a partial checkpoint at ``path``."""
+    pending = prepare(checkpoint, path, backend, fused_optimizer, world_size=world_size,
+                      is_global_zero=is_global_zero, barrier=barrier, extra_meta=extra_meta)
+    pending.write()
     barrier("dlrover_checkpoint_written")
-    if is_global_zero:
-        directory.publish(staging, path)
+    pending.commit()
     barrier("dlrover_checkpoint_committed")
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
 from lightning_dlrover import control_plane
 
@@ -44,3 +46,40 @@ def complete_sharded_state(state: dict[str, dict[str, Any]]) -> dict[str, dict[s
             if inner not in complete.setdefault(outer, {}):
                 complete[outer][inner] = ShardedTensor._init_from_local_shards_and_global_metadata([], metadata)
     return complete
+
+
+def copy_state(state: Any, reuse: Any = None) -> tuple[Any, int]:
+    """A copy of nested dicts, lists and tuples whose tensors (and ``ShardedTensor`` local shards) are copied into
+    memory the training steps never touch, and the bytes those copies hold. A tensor of ``reuse`` (an earlier copy
+    of the same state that nothing reads any more) of the same place, shape and dtype is copied into instead of new
+    memory (no page faults on a fresh allocation). Other leaves are shared (training does not change them in place).
+    The copy of a ``ShardedTensor`` keeps its global metadata (no collective)."""
+    if isinstance(state, ShardedTensor):
+        old = reuse.local_shards() if isinstance(reuse, ShardedTensor) else []
+        if len(old) != len(state.local_shards()):
+            old = [None] * len(state.local_shards())
+        shards = [Shard(_copy_tensor(shard.tensor, getattr(previous, "tensor", None)), shard.metadata)
+                  for shard, previous in zip(state.local_shards(), old, strict=True)]
+        size = sum(shard.tensor.numel() * shard.tensor.element_size() for shard in shards)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, state.metadata()), size
+    if isinstance(state, torch.Tensor):
+        return _copy_tensor(state, reuse), state.numel() * state.element_size()
+    if isinstance(state, Mapping):
+        copied, total = copy.copy(state), 0
+        for key, value in state.items():
+            copied[key], size = copy_state(value, reuse.get(key) if isinstance(reuse, Mapping) else None)
+            total += size
+        return copied, total
+    if type(state) in (list, tuple):
+        old = reuse if type(reuse) is type(state) and len(reuse) == len(state) else [None] * len(state)
+        pairs = [copy_state(value, previous) for value, previous in zip(state, old, strict=True)]
+        return type(state)(value for value, _ in pairs), sum(size for _, size in pairs)
+    return state, 0
+
+
+def _copy_tensor(tensor: torch.Tensor, into: Any) -> torch.Tensor:
+    source = tensor.detach()
+    if (isinstance(into, torch.Tensor) and into.shape == source.shape and into.dtype == source.dtype
+            and into.device == source.device and into.is_contiguous() and into.stride() == source.stride()):
+        return into.copy_(source)
+    return source.clone()

@@ -85,6 +85,14 @@ KINDS: dict[str, tuple[str, ...]] = {
     # hook, or the part that failed in an add-on that goes on (the advisor's "history", "report", "replan");
     # stepped_back_to: the safe state it is in now.
     "addon_failed": ("addon", "hook", "error_type", "error", "stepped_back_to"),
+    # Asynchronous checkpoints (DLRoverStrategy(async_checkpoint=True)), every rank; step: the checkpoint's step.
+    # staging: the bytes this rank copies per save (at the first save); saved: committed (blocked_s: training was
+    # blocked, write_s: until the commit); waited: a save waited for the one in flight; failed: nothing was committed,
+    # kept: the newest complete checkpoint (rank 0)
+    "checkpoint_staging": ("bytes",),
+    "checkpoint_saved": ("path", "mode", "blocked_s", "write_s", "bytes"),
+    "checkpoint_waited": ("path", "previous", "waited_s"),
+    "checkpoint_failed": ("path", "error_type", "error", "kept"),
 }
 
 

@@ -10,7 +10,6 @@ size. Fault tolerance (the per-step commit, spills, restore, fallback) is the
 from __future__ import annotations
 
 import os
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -40,6 +39,7 @@ from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV
 from lightning_dlrover.strategy import auto_parity, in_process, process_exit
+from lightning_dlrover.strategy.checkpointing import Checkpointing
 from lightning_dlrover.strategy.launcher import validate_trainer_addons
 from lightning_dlrover.strategy.sharding import (
     CPU_DEFAULT_SHARDING_TYPES,
@@ -76,6 +76,8 @@ class DLRoverStrategy(DDPStrategy):
         init_from: an export directory (``lightning-dlrover export --out DIR``: its ``model.pt``, the unsharded
             state dict) the first ``fit`` starts from: the model is sharded, then every rank copies in its own shards'
             rows; optimizer and trainer state start fresh (step 0). A checkpoint to resume from (``ckpt_path``) wins.
+        async_checkpoint: a save blocks training only while the state is copied; the write and the commit run in
+            the background (see :mod:`~lightning_dlrover.strategy.checkpointing`).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in :class:`~lightning.pytorch.strategies.DDPStrategy`.
             ``timeout`` also bounds how long a survivor waits on a dead peer before it gives up and spills.
@@ -92,6 +94,7 @@ class DLRoverStrategy(DDPStrategy):
         parity: ParityConfig | Literal["auto"] | None = None,
         print_digest: bool = True,
         init_from: str | Path | None = None,
+        async_checkpoint: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -116,6 +119,7 @@ class DLRoverStrategy(DDPStrategy):
         }
         check_options(sharding_types, compute_kernel, self.constraints, parity=parity is not None)
         self.checkpoint_backend = get_backend(checkpoint_backend)
+        self.checkpointing = Checkpointing(async_checkpoint, timeout)
         self.print_digest = print_digest
         self.init_from = export_directory(init_from) if init_from is not None else None
         self.parity = ParityConfig.from_option(parity)  # "auto": the planner picks at set-up (auto_parity.resolve)
@@ -272,6 +276,7 @@ class DLRoverStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Spills this rank's committed state for the restarted job (see :class:`~lightning_dlrover.fault.FaultManager`)."""
+        self.checkpointing.abandon()
         self.fault.on_exception(exception)
 
     def recover(self, lost_ranks: list[int]) -> None:
@@ -322,6 +327,7 @@ class DLRoverStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         """Prints the state digest on rank 0 when ``print_digest`` is set; nothing of the job is left to resume."""
+        self.checkpointing.wait()  # the last save counts before fit returns
         self.fault.finish()
         if self.print_digest and self._dmp is not None:
             digest = state_digest(self.training_state())
@@ -333,17 +339,17 @@ class DLRoverStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Writes a sharded checkpoint directory at ``filepath`` from every rank (collective; see
-        :func:`lightning_dlrover.checkpoint.job.save`: a crash never leaves a partial checkpoint at ``filepath``).
-        Every rank's random generators go in."""
+        :func:`lightning_dlrover.checkpoint.job.save`: a crash never leaves a partial checkpoint at ``filepath``),
+        in the background with ``async_checkpoint`` (:mod:`.checkpointing`). Every rank's random generators go in."""
         if storage_options is not None:
             raise TypeError("DLRoverStrategy.save_checkpoint does not take storage_options.")
         self.fault.settle()  # the checkpoint and the committed step agree
-        job.save(
-            checkpoint, Path(self.broadcast(str(filepath))), self.checkpoint_backend, self.fused_optimizer,
-            world_size=self.world_size, is_global_zero=self.is_global_zero, barrier=self.barrier,
-            extra_meta=lambda: {"dlrover_rank_states": self.fault.gather_rank_states(),
-                                "dlrover_module_class": _class_path(self.lightning_module)},
-        )  # fmt: skip
+        self.checkpointing.save(self, checkpoint, Path(self.broadcast(str(filepath))))
+
+    def checkpoint_extra_meta(self) -> dict[str, Any]:
+        """What a checkpoint's ``meta.pt`` holds besides Lightning's dict (a collective)."""
+        return {"dlrover_rank_states": self.fault.gather_rank_states(),
+                "dlrover_module_class": _class_path(self.lightning_module)}
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -355,6 +361,7 @@ class DLRoverStrategy(DDPStrategy):
         if self._resume is not None:
             rank_zero_info(f"DLRoverStrategy: not loading {checkpoint_path}: the job resumes from its restored state.")
             return self._resume
+        self.checkpointing.wait()
         module = self.lightning_module
         meta = job.load(Path(self.broadcast(str(checkpoint_path))), module, self.fused_optimizer,
                         world_size=self.world_size, strict=module.strict_loading, weights_only=weights_only)
@@ -384,9 +391,8 @@ class DLRoverStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Removes a checkpoint directory (rank 0)."""
-        if self.is_global_zero:
-            shutil.rmtree(filepath, ignore_errors=True)
+        """Removes a checkpoint directory (rank 0; after the commit of an asynchronous save in flight)."""
+        self.checkpointing.remove(Path(filepath), self.is_global_zero)
 
     @override
     def teardown(self) -> None:

@@ -47,6 +47,11 @@ def install() -> None:
     atexit.register(_destroy_process_group)
 
 
+def failing() -> bool:
+    """Whether an uncaught exception is ending the process."""
+    return bool(_state["failed"])
+
+
 def fit_finished(multi_process: bool) -> None:
     """Marks ``fit`` as finished; a single process (a notebook, a test) exits as usual."""
     _state["fit_finished"] = multi_process

@@ -69,6 +69,8 @@ def main() -> None:
     parser.add_argument("--backend", default="dcp")
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--ckpt-every", type=int, default=0)
+    parser.add_argument("--async-ckpt", action="store_true", help="DLRoverStrategy(async_checkpoint=True)")
+    parser.add_argument("--save-top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k=...)")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--seed", type=int, default=7)
@@ -95,6 +97,7 @@ def main() -> None:
         sharding_types=args.sharding_types,
         constraints=constraints,
         checkpoint_backend=args.backend,
+        async_checkpoint=args.async_ckpt,
         parity=ParityConfig.parse(args.parity) if args.parity else None,
         **({"timeout": timedelta(seconds=args.pg_timeout)} if args.pg_timeout else {}),
     )
@@ -107,7 +110,8 @@ def main() -> None:
         callbacks.append(ThroughputMonitor(log_every_n_steps=5, warmup_steps=2))
     if args.ckpt_every:
         callbacks.append(
-            ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1, save_last=False)
+            ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=args.save_top_k,
+                            save_last=False)
         )
     trainer = pl.Trainer(
         accelerator="cpu",

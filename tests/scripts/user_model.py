@@ -162,6 +162,9 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=0)
     parser.add_argument("--root", default=".")
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--async-ckpt", action="store_true", help="DLRoverStrategy(async_checkpoint=True)")
+    parser.add_argument("--save-after", action="append", default=[], metavar="PATH",
+                        help="Trainer.save_checkpoint(PATH) after fit (repeatable)")
     args = parser.parse_args()
     pl.seed_everything(11)
     parity = None if args.parity == "none" else ParityConfig.parse(args.parity)
@@ -172,7 +175,8 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         **(elastic_trainer_args() or {"devices": args.devices}),
-        strategy=DLRoverStrategy(sharding_types=["table_wise"], parity=parity, timeout=timedelta(seconds=20)),
+        strategy=DLRoverStrategy(sharding_types=["table_wise"], parity=parity, timeout=timedelta(seconds=20),
+                                 async_checkpoint=args.async_ckpt),
         max_steps=args.steps,
         default_root_dir=args.root,
         use_distributed_sampler=False,
@@ -185,6 +189,8 @@ def main() -> None:
     )
     model = UserModel(manual=args.manual, collection=args.collection, plain_loader=args.plain_loader)
     trainer.fit(model, ckpt_path=args.resume)
+    for path in args.save_after:
+        trainer.save_checkpoint(path)
 
 
 if __name__ == "__main__":

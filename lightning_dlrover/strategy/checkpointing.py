@@ -1,0 +1,218 @@
+"""How ``DLRoverStrategy`` writes its checkpoints: blocking (the default) or asynchronous (``async_checkpoint=True``).
+
+An asynchronous save blocks training only while the state is gathered and copied (every tensor copied into memory
+the next steps do not touch: :func:`~lightning_dlrover.checkpoint.sharded.copy_state`; the copy of the previous save
+is reused once its write is over, so the staging memory is allocated once); a background thread then
+writes every rank's shards and rank 0's ``meta.pt`` under the temporary name (``<path>.partial``), agrees with the
+other ranks' threads that every part is written, and only then renames it to ``path`` (the commit). Until then the
+checkpoint does not exist for anyone: not for ``last.ckpt``, a resume, nor the fault manager's fallback (they only
+see complete directories). A failed write (disk full, an unwritable directory, a rank's error) is the event
+``checkpoint_failed`` and a warning; the temporary directory is removed and training goes on, the previous
+checkpoint still the newest.
+
+At most one save is in flight: the next one **waits** for it (the event ``checkpoint_waited`` says how long). It is
+not skipped, because Lightning's ``ModelCheckpoint`` records the path it asked for as saved (``last_model_path``,
+its top-k) and removes the files it replaces: a skipped save would make that record false. The removals Lightning
+asks for while a save is in flight are done after its commit, so the previous checkpoint stays until the next one
+counts. ``fit`` waits for the last save at its end, a load waits before it reads, and a process exiting normally
+waits at exit.
+
+Why not DCP's ``async_save`` (torch 2.13): it only covers the shards (``dcp.save`` in a thread or a process), while
+``meta.pt``, the ranks' agreement and the rename must run after it in the background too, and for the
+``torchsnapshot`` backend alike; its default stager cannot copy a ``ShardedTensor`` (``StateDictStager`` calls
+``data_ptr()`` on it: ``RuntimeError: torch function 'data_ptr' ... ShardedTensor``, tried here), so the copy is
+:func:`~lightning_dlrover.checkpoint.sharded.copy_state`'s either way; its process mode (a spawned daemon process
+with a process group of its own, the staged state sent through a pipe) was not tried. So the background thread
+calls the backend's own ``save`` (for ``dcp``: ``dcp.save`` with ``process_group=``) on the staged copy, over a gloo
+group of its own (created on the first save), so that its collectives never interleave with training's on the
+default group or the control plane.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_dlrover import control_plane
+from lightning_dlrover.checkpoint import directory, job
+from lightning_dlrover.log import get_logger
+from lightning_dlrover.monitor import emit
+from lightning_dlrover.strategy import process_exit
+
+log = get_logger(__name__)
+
+#: Environment variable for drills and tests: ``sleep=S`` sleeps ``S`` seconds in the background writer after the
+#: shards are written, before ``meta.pt`` and the commit; ``fail=ENOSPC`` (any ``errno`` name) raises that
+#: ``OSError`` there. ``,rank=R`` and ``,step=S`` restrict it to one rank, one checkpoint step.
+WRITE_HOOK_ENV = "LIGHTNING_DLROVER_CHECKPOINT_WRITE_HOOK"
+#: The least time a rank's background writer waits for the other ranks' (their writes may be slow).
+WRITER_TIMEOUT = timedelta(hours=1)
+
+
+def _write_hook(step: int) -> None:
+    spec = os.environ.get(WRITE_HOOK_ENV)
+    if not spec:
+        return
+    fields = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
+    if "rank" in fields and int(fields["rank"]) != dist.get_rank():
+        return
+    if "step" in fields and int(fields["step"]) != step:
+        return
+    if "sleep" in fields:
+        time.sleep(float(fields["sleep"]))
+    if "fail" in fields:
+        code = getattr(errno, fields["fail"])
+        raise OSError(code, f"{os.strerror(code)} ({WRITE_HOOK_ENV}={spec})")
+
+
+class Checkpointing:
+    """Saves (blocking or in the background) and removes the strategy's checkpoints; see the module docs."""
+
+    def __init__(self, asynchronous: bool, timeout: timedelta | None) -> None:
+        self.asynchronous = asynchronous
+        self.timeout = timeout
+        self._group: Any = None
+        self._made_for: Any = None  # the default group the writers' group was made for
+        self._thread: threading.Thread | None = None
+        self._in_flight: job.PendingSave | None = None
+        self._last: job.PendingSave | None = None  # the last save whose write is over: its copy is reused
+        self._removals: list[Path] = []
+        self._lock = threading.Lock()
+        self._reported_staging = self._wait_at_exit = self._broken = self._abandoned = False
+        #: Seconds the last save blocked training (its wait for the previous one included).
+        self.last_blocked_s = 0.0
+
+    def save(self, strategy: Any, checkpoint: dict[str, Any], path: Path) -> None:
+        """Writes ``checkpoint`` as a checkpoint directory at ``path`` (a collective; see the module docs)."""
+        start = time.perf_counter()
+        kwargs = dict(world_size=strategy.world_size, is_global_zero=strategy.is_global_zero,
+                      barrier=strategy.barrier, extra_meta=strategy.checkpoint_extra_meta)
+        if not self.asynchronous:
+            job.save(checkpoint, path, strategy.checkpoint_backend, strategy.fused_optimizer, **kwargs)
+            self.last_blocked_s = time.perf_counter() - start
+            return
+        self.wait(path)
+        # every rank saves together, so every rank (re)creates the group together: at the first save, after a
+        # collective of it failed (a peer's writer timed out: the group cannot be used again), or for a new default
+        # group (a replaced rank); one vote, so a rank that never had a group agrees with those that had one
+        usable = self._group is not None and not self._broken and self._made_for is dist.group.WORLD
+        if not control_plane.all_true(usable):
+            self._group, self._broken = dist.new_group(backend="gloo", timeout=self._writer_timeout()), False
+            self._made_for = dist.group.WORLD
+        pending = job.prepare(checkpoint, path, strategy.checkpoint_backend, strategy.fused_optimizer, copy=True,
+                              reuse=self._last, **kwargs)
+        self._last = None
+        self.last_blocked_s = time.perf_counter() - start
+        if not self._reported_staging:
+            self._reported_staging = True
+            emit("checkpoint_staging", step=pending.step, bytes=pending.staged_bytes,
+                 message=f"asynchronous checkpoints hold {pending.staged_bytes} bytes of staging memory on this rank "
+                 "(a copy of its shards, optimizer and trainer state, reused by every save)")
+        self._in_flight = pending
+        self._thread = threading.Thread(target=self._write, args=(pending, strategy.is_global_zero, start),
+                                        name="dlrover-checkpoint-writer", daemon=True)
+        self._thread.start()
+        if not self._wait_at_exit:  # registered after process_exit's handlers, so it runs before them
+            self._wait_at_exit = True
+            atexit.register(self.wait)
+
+    def _write(self, pending: job.PendingSave, is_global_zero: bool, start: float) -> None:
+        error: BaseException | None = None
+        try:
+            pending.write(self._group, after_shards=lambda: _write_hook(pending.step))
+        except BaseException as err:  # reported below, after the ranks agree; DCP's CheckpointException is a
+            error = _cause(err)  # BaseException holding every failed rank's error
+        committed = False
+        try:
+            if self._agree(error is None):  # every rank's part is written
+                try:
+                    pending.commit()
+                except Exception as err:  # the rename failed (rank 0): nobody counts it
+                    error = err
+                committed = self._agree(error is None)
+        except Exception as err:  # a peer died or timed out: the checkpoint never counts
+            error, self._broken = error or err, True
+        with self._lock:
+            removals, self._removals = self._removals, []
+            self._in_flight, self._last = None, pending  # its copy is the next save's staging memory
+        if committed:
+            if is_global_zero:
+                for path in removals:
+                    _remove(path)
+            emit("checkpoint_saved", step=pending.step, path=str(pending.path), mode="async",
+                 blocked_s=round(self.last_blocked_s, 4), write_s=round(time.perf_counter() - start, 4),
+                 bytes=pending.staged_bytes)
+            return
+        pending.discard()
+        kept = directory.latest_checkpoint(pending.path.parent) if is_global_zero else None
+        why = f"{type(error).__name__}: {error}" if error is not None else "another rank's write failed"
+        emit("checkpoint_failed", step=pending.step, path=str(pending.path),
+             error_type=type(error).__name__ if error is not None else None, error=str(error or why)[:500],
+             kept=str(kept) if kept is not None else None)
+        log.warning(f"lightning_dlrover: the asynchronous checkpoint {pending.path} was not saved ({why}); training "
+                    f"goes on, the newest complete checkpoint is {kept if is_global_zero else 'unchanged'}. Free disk "
+                    "space or fix the directory's permissions.")
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank's writer (a collective over the writers' group)."""
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
+
+    def _writer_timeout(self) -> timedelta:
+        """How long a rank's writer waits for the others': a slow disk is no failure, so at least an hour (the
+        writers of a job that failed are not waited for: :meth:`abandon`)."""
+        return max(self.timeout or WRITER_TIMEOUT, WRITER_TIMEOUT)
+
+    def abandon(self) -> None:
+        """The process is failing: its save in flight is not waited for (it never counts, see the module docs)."""
+        self._abandoned = True
+
+    def wait(self, next_path: Path | None = None) -> float:
+        """Waits for the save in flight (if any) to be committed or abandoned; returns the seconds waited."""
+        thread = self._thread
+        if thread is None or not thread.is_alive() or self._abandoned or process_exit.failing():
+            return 0.0
+        start = time.perf_counter()
+        previous = self._in_flight
+        thread.join()
+        waited = time.perf_counter() - start
+        if next_path is not None and previous is not None:
+            emit("checkpoint_waited", step=previous.step, path=str(next_path), previous=str(previous.path),
+                 waited_s=round(waited, 4))
+        return waited
+
+    def remove(self, path: Path, is_global_zero: bool) -> None:
+        """Removes the checkpoint directory ``path`` (rank 0), after the commit of the save in flight if there is
+        one (a failed save keeps it)."""
+        if not is_global_zero:
+            return
+        with self._lock:
+            if self._in_flight is not None:
+                self._removals.append(path)
+                return
+        _remove(path)
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The first rank's error inside DCP's ``CheckpointException`` (which holds every failed rank's), else ``error``."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return error
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
