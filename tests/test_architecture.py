@@ -147,3 +147,12 @@ def test_the_strategy_reaches_fault_tolerance_through_the_fault_manager():
                     and id(node) not in typing_only):
                 reaches[path.name].add(node.module)
     assert not reaches, f"the strategy imports fault/ internals (go through FaultManager): {dict(reaches)}"
+
+
+def test_test_files_have_unique_basenames():
+    """pytest imports test modules by basename (rootdir, no packages): two ``test_x.py`` in different folders stop the
+    whole suite at collection."""
+    seen: dict[str, list[str]] = defaultdict(list)
+    for path in sorted((PACKAGE.parent / "tests").rglob("test_*.py")):
+        seen[path.name].append(str(path.relative_to(PACKAGE.parent)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
