@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import uuid
 
 from lightning_dlrover.fault.inplace import membership
@@ -64,8 +65,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _stop(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # the supervisor's ``finally`` stops the workers (each in a session of its own)
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop)
     store, sock = serve_store(args.master) if args.node_rank == 0 else (membership.connect(args.master), None)
     config = SupervisorConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SupervisorConfig)})
     supervisor = Supervisor(config, store, args.run_id or f"dlrover-{uuid.uuid4().hex[:8]}")

@@ -26,10 +26,19 @@ if not os.environ.get("LIGHTNING_DLROVER_SPARE"):
 def policies():
     return sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")})
 out = sys.argv[1]
+def group_nice():  # the nice value of this session's autogroup (None without autogroups)
+    try:
+        return int(open("/proc/self/autogroup").read().split("nice")[1])
+    except (OSError, IndexError, ValueError):
+        return None
+with open(out + ".group", "w") as f:
+    json.dump({"sid": os.getsid(0), "waiting": group_nice()}, f)
 with open(out + ".waiting", "w") as f:
     json.dump(policies(), f)
 from lightning_dlrover.fault.inplace.protocol import take_rank_if_spare
 assignment = take_rank_if_spare()
+with open(out + ".group_promoted", "w") as f:
+    json.dump(group_nice(), f)
 with open(out + ".promoted", "w") as f:
     json.dump({"rank": assignment.rank, "policies": policies()}, f)
 """
@@ -78,6 +87,13 @@ def test_a_spare_starts_after_the_first_commit_waits_idle_and_trains_at_normal_p
     supervisor.replace([0])  # the rank is "lost": the spare takes it
     promoted = wait_for(tmp_path / "spare.promoted")
     assert promoted["rank"] == 0 and promoted["policies"] == [os.SCHED_OTHER], promoted
+    # in a session of its own, as every worker: SCHED_IDLE ranks it only inside its session's autogroup, so the
+    # group itself waits at the lowest weight and trains at the ranks' (where the kernel has autogroups)
+    group = wait_for(tmp_path / "spare.group")
+    assert group["sid"] == spare.process.pid
+    if group["waiting"] is not None:
+        assert group["waiting"] == priority.IDLE_GROUP_NICE
+        assert wait_for(tmp_path / "spare.group_promoted") == 0
     assert spare.process.wait(timeout=60) == 0
     # the spare that refills the pool waits for the recovered generation's first commit
     assert not [w for w in supervisor.workers if w.rank is None and w.process.poll() is None]

@@ -5,6 +5,12 @@ the ranks use, that start-up competes with training. The launcher starts its spa
 policy (they run only on a core nobody else wants) and a spare handed a rank switches every one of its threads back
 to ``SCHED_OTHER`` (its nice value, the launcher's, is unchanged by both switches).
 
+``SCHED_IDLE`` ranks a thread only against the threads of its own scheduling group, and every worker runs in a session
+of its own (as under ``torchrun``), which Linux's autogroup scheduler makes a group of its own with an equal share of
+the CPU. So a waiting spare's group is also given the lowest weight (autogroup nice 19, ``/proc/<pid>/autogroup``) and a
+promoted spare gives its group the ranks' weight again (nice 0; lowering a group's nice to 0 needs no privilege). Where
+the kernel has no autogroups (or they are off) ``SCHED_IDLE`` alone does it.
+
 Leaving ``SCHED_IDLE`` is a privilege: the kernel allows it only with ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` hard limit
 of at least ``20 - nice`` (``ulimit -e``). Without either, a promoted spare would train at idle priority and slow the
 whole job down, so the launcher then starts its spares at normal priority and says why once
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 
 #: The capability that lets a process raise its scheduling priority (bit 23 of ``CapEff``).
 CAP_SYS_NICE = 23
@@ -44,7 +51,9 @@ def can_restore() -> str | None:
 
 
 def lower(pid: int) -> str | None:
-    """Puts process ``pid`` (a spare just started: one thread) under ``SCHED_IDLE``; ``None``, or why not."""
+    """Puts process ``pid`` (a spare just started: one thread) under ``SCHED_IDLE``, its autogroup at the lowest
+    weight; ``None``, or why not."""
+    set_group_nice(pid, IDLE_GROUP_NICE)
     try:
         os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
     except OSError as err:
@@ -52,9 +61,39 @@ def lower(pid: int) -> str | None:
     return None
 
 
+#: The autogroup nice of a waiting spare's session (the lowest weight, 15 against a rank's 1024).
+IDLE_GROUP_NICE = 19
+
+
+def group_nice(pid: int | str = "self") -> int | None:
+    """The nice value of process ``pid``'s autogroup; ``None`` without autogroups."""
+    try:
+        with open(f"/proc/{pid}/autogroup") as f:
+            return int(f.read().split("nice")[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def set_group_nice(pid: int | str, nice: int, tries: int = 30) -> bool:
+    """Sets the nice value of process ``pid``'s autogroup (its session's CPU weight); whether it did. The kernel
+    accepts one change every 0.1 s from a process without ``CAP_SYS_ADMIN`` (``EAGAIN``): retried ``tries`` times."""
+    for _ in range(tries):
+        try:
+            with open(f"/proc/{pid}/autogroup", "w") as f:
+                f.write(str(nice))
+            return True
+        except BlockingIOError:
+            time.sleep(0.1)
+        except OSError:  # no autogroups, or the process ended
+            return False
+    return False
+
+
 def restore() -> str | None:
-    """Puts every thread of this process back under ``SCHED_OTHER`` if it is under ``SCHED_IDLE``; ``None``, or
-    why it could not (the process then trains at idle priority)."""
+    """Puts every thread of this process back under ``SCHED_OTHER`` if it is under ``SCHED_IDLE`` and its autogroup
+    back to nice 0; ``None``, or why it could not (the process then trains at idle priority)."""
+    if (group_nice() or 0) > 0:
+        set_group_nice("self", 0)
     if not hasattr(os, "SCHED_IDLE"):
         return None
     try:

@@ -7,7 +7,10 @@ saw their collective fail, roll back to the last committed step in memory, rebui
 with the replacement and go on inside ``fit`` (see :mod:`.protocol`). If the
 in-process path fails (a loss parity cannot cover, a second loss during recovery, no replacement) the
 launcher falls back to what ``torchrun`` does: it restarts every worker, which restore from their spills
-or the newest checkpoint. Workers see the same environment ``torchrun`` gives them.
+or the newest checkpoint. Workers see the same environment ``torchrun`` gives them and, as ``torchrun``'s, each runs
+in a session of its own: Linux's autogroup scheduler shares the CPU equally among sessions, so on a machine that runs
+anything else, ranks left in the launcher's session would train on one session's share between them all. A worker is
+SIGKILLed when its launcher dies (``PR_SET_PDEATHSIG``); a launcher stopped by SIGTERM or SIGHUP stops its workers.
 
 A machine lost with its launcher is noticed by the launcher on machine 0 (the store's host): every launcher
 beats a counter in the store, and when one stops for ``--node-timeout`` seconds machine 0 hands that
@@ -28,11 +31,14 @@ taken by a process started cold (what ``--spares 0`` does).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -116,7 +122,11 @@ class Supervisor:
         """Starts the rank ``rank``, or a spare when ``rank`` is ``None`` (``idle``: at the lowest CPU priority)."""
         spare = membership.register_spare(self.store, self.restarts) if rank is None else None
         env = self.env(rank, local_rank, spare)
-        worker = Worker(subprocess.Popen([sys.executable, *self.args.program], env=env), rank, spare)
+        # each worker in a session of its own, as torchrun starts them: the kernel's autogroup scheduler gives every
+        # session an equal CPU share, so workers left in the launcher's session would share one share among them all
+        process = subprocess.Popen([sys.executable, *self.args.program], env=env, start_new_session=True,
+                                   preexec_fn=_die_with_launcher(os.getpid()))
+        worker = Worker(process, rank, spare)
         if idle and self._priority_refused is None:
             self._priority_refused = priority.lower(worker.process.pid)
         self.workers.append(worker)
@@ -314,6 +324,23 @@ class Supervisor:
                 self._finished = True
                 if self.args.node_rank != 0 or self.others_finished():  # machine 0 keeps the store up till the end
                     return 0
+
+
+def _die_with_launcher(launcher: int) -> Callable[[], None]:
+    """What a worker runs between ``fork`` and ``exec``: it is SIGKILLed when the launcher ``launcher`` dies (its own
+    session no longer takes it along when the launcher's process group is killed; its store dies with the launcher)."""
+
+    def set_parent_death_signal() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher:  # the launcher died before the line above
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return set_parent_death_signal
+
+
+_PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal this process gets when its parent dies (Linux)
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def serve_store(address: str) -> tuple[TCPStore, socket.socket]:
