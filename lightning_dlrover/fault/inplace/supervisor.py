@@ -331,8 +331,8 @@ def _die_with_launcher(launcher: int) -> Callable[[], None]:
     session no longer takes it along when the launcher's process group is killed; its store dies with the launcher)."""
 
     def set_parent_death_signal() -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, _SIGKILL)
         if os.getppid() != launcher:  # the launcher died before the line above
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -340,7 +340,10 @@ def _die_with_launcher(launcher: int) -> Callable[[], None]:
 
 
 _PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal this process gets when its parent dies (Linux)
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_SIGKILL = int(signal.SIGKILL)
+# Looked up here, in the launcher: the child between fork and exec then runs no symbol lookup (the dynamic loader's
+# lock may be held by another thread of the launcher at fork), only the call.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 def serve_store(address: str) -> tuple[TCPStore, socket.socket]:
