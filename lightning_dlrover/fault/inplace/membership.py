@@ -153,15 +153,30 @@ def register_spare(store: Store, launch: int) -> int:
     return index
 
 
-def wait_for_assignment(store: Store, launch: int, index: int) -> Assignment:
-    """Blocks until spare ``index`` of launch ``launch`` is handed a rank (as long as the job runs)."""
+def wait_for_assignment(store: Store, launch: int, index: int, *, wait_s: float = 600.0,
+                        give_up_s: float = 300.0) -> Assignment:
+    """Blocks until spare ``index`` of launch ``launch`` is handed a rank (as long as the job runs).
+
+    Raises ``ConnectionError`` once the store has failed (not timed out) for ``give_up_s`` seconds: the
+    launcher that holds it is gone, and so is the job this spare was waiting for."""
     key = PREFIX + f"{launch}/assign/{index}"
+    failing_since: float | None = None
     while True:  # blocked in the store's socket: a waiting spare uses no CPU (each timeout logs one line in C++)
+        started = time.monotonic()
         try:
-            store.wait([key], timedelta(seconds=600))
+            store.wait([key], timedelta(seconds=wait_s))
             break
-        except Exception:  # noqa: BLE001 - the store's timeout: keep waiting, the job may run for days
-            continue
+        except Exception as error:  # noqa: BLE001 - a timeout (keep waiting: the job may run for days) or a dead store
+            now = time.monotonic()
+            if now - started >= 0.9 * wait_s:  # the store's own timeout
+                failing_since = None
+                continue
+            # The store answered with an error at once (its host is gone): retry slowly, not in a busy loop.
+            failing_since = now if failing_since is None else failing_since
+            if now - failing_since >= give_up_s:
+                raise ConnectionError(f"spare {index}: the launcher's store has failed for {now - failing_since:.0f} s "
+                                      f"({error}); the job it waited for is gone") from error
+            time.sleep(min(5.0, 0.5 + (now - failing_since) / 10))
     return Assignment(**json.loads(store.get(key)))
 
 
