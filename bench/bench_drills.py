@@ -79,25 +79,32 @@ def main() -> None:
     p.add_argument("--spares", type=int, default=3, help="hot spares of the in-process mode")
     p.add_argument("--timeout", type=int, default=900, help="seconds each run may take")
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--modes", default="in-process,torchrun,no-parity",
+                   help="which modes to drill, of in-process, torchrun, no-parity (comma-separated)")
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed..first-seed+seeds-1")
     args = p.parse_args()
+    keys = dict(zip(["in-process", "torchrun", "no-parity"], MODES))
+    if unknown := set(args.modes.split(",")) - set(keys):
+        p.error(f"--modes: unknown {sorted(unknown)}; choose from {list(keys)}")
+    chosen = {keys[k]: MODES[keys[k]] for k in keys if k in args.modes.split(",")}
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_drills-"))
     root.mkdir(parents=True, exist_ok=True)
     config = job_config(args.steps, args.every, root)
     results: dict[str, list[dict]] = {}
-    for name, mode in MODES.items():
+    for name, mode in chosen.items():
         workdir = root / (mode[0].strip("-") if mode else "torchrun")
         workdir.mkdir(exist_ok=True)
         results[name] = []
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             facts = drill(mode, seed, args, config, workdir)
             results[name].append(facts)
             print(f"{name}, seed {seed}: wall {facts['wall_s']}, goodput {facts['goodput']}, kills landed "
                   f"{facts['kills_landed']}, recoveries {facts['recoveries']}, steps lost {facts['steps_lost']}, "
                   f"digest match {facts['digest_match']}", flush=True)
     (root / "results.json").write_text(json.dumps(results, indent=1))
-    torchrun = next(iter(results[list(MODES)[1]]))["fault_free_wall_s"]
+    torchrun = results[list(MODES)[1]][0]["fault_free_wall_s"] if list(MODES)[1] in results else None
     print(f"\n{args.steps} steps, a checkpoint every {args.every}, {args.kills} kills at U(0, {args.jitter}) s after a "
-          f"commit, seeds 0..{args.seeds - 1}; results in {root}\n")
+          f"commit, seeds {args.first_seed}..{args.first_seed + args.seeds - 1}; results in {root}\n")
     print("| mode | fault-free wall | wall with kills | goodput vs own fault-free | goodput vs torchrun fault-free | "
           "recoveries | steps lost | kills landed | digest |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -111,7 +118,7 @@ def main() -> None:
         lost = [r["steps_lost"] for r in runs if r["steps_lost"] is not None]
         print(f"| {name} | {runs[0]['fault_free_wall_s']:.1f} s | {span(walls, '.1f') + ' s' if walls else 'not finished'} | "
               f"{span([r['goodput'] for r in done], '.2f') if done else '-'} | "
-              f"{span([torchrun / w for w in walls], '.2f') if walls else '-'} | "
+              f"{span([torchrun / w for w in walls], '.2f') if walls and torchrun else '-'} | "
               f"{', '.join(f'{k} {v}' for k, v in kinds.items() if v) or 'none'} | "
               f"{span(lost, 'd') if lost else 'unknown'} | {sum(r['kills_landed'] for r in runs)}/{args.kills * len(runs)} | "
               f"{'equal' if all(r['digest_match'] for r in runs) else 'DIFFERS'} |")
