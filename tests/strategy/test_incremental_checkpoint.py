@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -35,12 +36,12 @@ def straight(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    """``(digests, checkpoint dir, events)`` of a 16-step run saving asynchronously every 4 steps, a full
+    """``(digests, checkpoint dir, events, output)`` of a 16-step run saving asynchronously every 4 steps, a full
     checkpoint every 4 saves: step 4 full, steps 8, 12 and 16 deltas."""
     tmp = tmp_path_factory.mktemp("chain")
     out = train(tmp, "--steps", "16", "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "4", "--digest-every", "4",
                 "--async-ckpt", "--incremental", "4").stdout
-    return digests(out), tmp / "ckpt", read_events([tmp / "dlrover_events.jsonl"])
+    return digests(out), tmp / "ckpt", read_events([tmp / "dlrover_events.jsonl"]), out
 
 
 def link(path) -> dict:
@@ -64,7 +65,7 @@ def elsewhere(tmp_path):
 def test_resume_from_a_delta_in_the_middle_of_a_chain(tmp_path, straight, chain):
     """Saving deltas changes nothing in training; the step-8 checkpoint is the first delta of the chain begun at
     step 4, smaller than the full one, and a resume from it continues exactly."""
-    saved, ckpt, events = chain
+    saved, ckpt, events, _ = chain
     assert saved == straight
     links = {p.name: link(p) for p in ckpt.iterdir()}
     assert [links[f"epoch=0-step={s}.ckpt"]["link"] for s in (4, 8, 12, 16)] == [0, 1, 2, 3]
@@ -82,7 +83,7 @@ def test_resume_from_a_delta_in_the_middle_of_a_chain(tmp_path, straight, chain)
 
 def test_a_chain_restores_onto_another_world_size(tmp_path, straight, chain):
     """Full + two deltas written by 2 ranks restore onto 3 (rows are stored by global index)."""
-    _, ckpt, _ = chain
+    _, ckpt, _, _ = chain
     loaded = digests(train(tmp_path, "--devices", "3", "--steps", "13", "--resume",
                            str(ckpt / "epoch=0-step=12.ckpt")).stdout)
     assert loaded["12"] == straight["12"]
@@ -91,7 +92,7 @@ def test_a_chain_restores_onto_another_world_size(tmp_path, straight, chain):
 def test_a_missing_link_restores_the_newest_complete_prefix(tmp_path, straight, chain):
     """With the first delta gone, a resume from the second restores the full link (step 4), says so in an event and
     a warning, and still ends where the uninterrupted run ends."""
-    _, ckpt, _ = chain
+    _, ckpt, _, _ = chain
     copy = tmp_path / "ckpt"
     copy.mkdir()
     for step in (4, 12):
@@ -169,3 +170,13 @@ def test_user_model_with_parity_resumes_from_a_delta(tmp_path):
     resumed = run([USER_MODEL, "--steps", "12", "--incremental", "3", "--root", tmp_path / "again",
                    "--resume", ckpt / "epoch=0-step=9.ckpt"], tmp_path)
     assert digests(resumed.stdout)["end"] == digests(first.stdout)["end"]
+
+
+def test_staging_memory_is_known_before_the_first_save(chain):
+    """Before its first save, the strategy tells the advisor's OOM forecast how much staging memory the save will
+    allocate (``checkpoint_staging_bytes``): what the first save then reports staging (``checkpoint_staging``), within
+    1% (the trainer state's few small tensors aside)."""
+    _, _, events, out = chain
+    [announced] = re.findall(r"^checkpoint staging bytes: (\d+)$", out, re.MULTILINE)
+    [staged] = [e["bytes"] for e in events if e.kind == "checkpoint_staging" and e.rank == 0]
+    assert int(announced) == pytest.approx(staged, rel=0.01)
