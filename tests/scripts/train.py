@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--incremental", type=int, default=None, metavar="N",
                         help="DLRoverStrategy(incremental_checkpoint_every=N)")
     parser.add_argument("--save-top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k=...)")
+    parser.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--seed", type=int, default=7)
@@ -125,7 +126,7 @@ def main() -> None:
     if args.ckpt_every:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=args.save_top_k,
-                            save_last=False)
+                            save_last=args.save_last)
         )
     trainer = pl.Trainer(
         accelerator="cpu",

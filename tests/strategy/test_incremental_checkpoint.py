@@ -160,6 +160,20 @@ def test_removed_links_wait_for_the_next_chain(tmp_path, straight):
     assert link(longer / "epoch=0-step=16.ckpt")["link"] == 0
 
 
+def test_last_ckpt_overwritten_link_by_link(tmp_path, straight):
+    """``ModelCheckpoint(save_last=True)`` writes ``last.ckpt`` right after each periodic save, over the previous one:
+    each ``last.ckpt`` is a link of the chain, and the one it replaces is kept aside for the later links that need it,
+    so a resume from ``last.ckpt`` (three deltas down the chain) is exact."""
+    ckpt = tmp_path / "ckpt"
+    train(tmp_path, "--steps", "12", "--ckpt-dir", str(ckpt), "--ckpt-every", "4", "--incremental", "8",
+          "--save-last")
+    last = ckpt / "last.ckpt"
+    assert link(last)["link"] == 5, "step 4, last, step 8, last, step 12, last: links 0-5"
+    assert len(list(ckpt.glob(".dlrover-link-*"))) == 2, "the two earlier last.ckpt kept aside"
+    resumed = digests(train(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4", "--resume", str(last)).stdout)
+    assert resumed["12"] == straight["12"] and resumed["end"] == straight["end"]
+
+
 def test_user_model_with_parity_resumes_from_a_delta(tmp_path):
     """A user's own model (BatchNorm, Dropout, exact Adagrad: a ``[rows, dim]`` optimizer state, a
     StatefulDataLoader) with parity on and blocking saves every 3 steps, a full one every 3 saves: a resume from the
