@@ -107,7 +107,7 @@ class OOMForecaster:
             now = max(fitted, float(y[-1]))
             steps_left = max(0.0, (self.limit - now - reserve) / slope)
             previous = self._warned.get(node)
-            if steps_left <= self.horizon and (previous is None or steps_left <= previous / 2):
+            if steps_left <= self.horizon and (previous is None or 0 < previous and steps_left <= previous / 2):
                 forecast = OOMForecast(node, steps[-1], now, self.limit, float(slope), steps_left, steps_left * step_s,
                                        reserve)
                 self._warned[node] = steps_left

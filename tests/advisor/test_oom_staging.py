@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_dlrover.advisor.detectors import OOMForecaster, RankWindow
+from tests.advisor.test_jobs import job
 
 GIB = 2**30
 
@@ -34,3 +35,20 @@ def test_staging_brings_the_forecast_closer():
     staged = OOMForecaster(limit_bytes=4 * GIB, horizon_steps=10**6).update(windows(GIB, growth, 0.25 * GIB), 0.1)[0]
     assert staged.staging_bytes == 0.5 * GIB
     assert plain.steps_to_oom - staged.steps_to_oom == pytest.approx(0.5 * GIB / (2 * growth), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_advisor_forecasts_the_first_asynchronous_save(tmp_path):
+    """A real 2-rank job with asynchronous checkpoints and the advisor, whose node limit leaves 16 MiB of headroom (no
+    growth to speak of): the staging copy of the first save (~85 MiB of tables and their state) does not fit, and the
+    forecast says so at the first check, before any save; the same job with blocking saves gets no forecast."""
+    common = ["--devices", "2", "--advisor", "--profile-steps", "0", "--check-every", "5", "--steps", "20",
+              "--rows", "50000", "--leak-mb", "0.001", "--leak-from", "3", "--headroom-mb", "16"]
+    out, events = job(tmp_path / "async", *common, "--async-ckpt")
+    forecasts = [e for e in events if e.kind == "oom_forecast"]
+    assert len(forecasts) == 1, "said once: out of memory now is not said again"
+    forecast = forecasts[0]
+    assert forecast.step == 5 and forecast["staging_bytes"] > 32 * 2**20 and forecast["steps_to_oom"] == 0, forecast
+    assert "staging copy of the first asynchronous checkpoint" in out
+    _, blocking = job(tmp_path / "blocking", *common)
+    assert [e for e in blocking if e.kind == "oom_forecast"] == []
