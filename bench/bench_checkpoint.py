@@ -29,6 +29,16 @@ the sizes (within 10%, the one that can also restore onto more ranks).
     PYTHONPATH=. python bench/bench_checkpoint.py --sizes-mb 512 --backends dcp
     PYTHONPATH=. python bench/bench_checkpoint.py --sizes-mb 256 1024 1904 --backends dcp --async-only
 
+With ``--chain N`` it also measures incremental saves (``DLRoverStrategy(incremental_checkpoint_every=N)``) on the
+same trained model, blocking and asynchronous: one chain of a full save and ``N - 1`` deltas, each delta after
+``--delta-steps K`` training steps (real forward and backward passes: the fused optimizer updates the rows the batches
+look up, which the strategy's hooks mark), for each ``K`` given; per chain: the full save's blocked and save time and
+bytes, the deltas' (median) blocked and save time, bytes written and rows touched per delta (summed over ranks),
+bytes per row touched, and the restore time of the whole chain (full + ``N - 1`` deltas).
+
+    PYTHONPATH=. python bench/bench_checkpoint.py --sizes-mb 256 1024 1904 --backends dcp --async-only \
+        --chain 4 --delta-steps 1 8 64
+
 With ``--e2e-steps N`` it also trains a fresh model of each size for ``N`` steps with a ``ModelCheckpoint`` every
 ``--e2e-every`` steps, once with blocking and once with asynchronous saves, and prints the wall time of ``fit`` and
 the CPU seconds of all ranks' processes (user + system, every thread) during it.
@@ -108,6 +118,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--async-only", action="store_true",
                         help="measure only the backends with asynchronous saves (and torch.save), not blocking ones")
     parser.add_argument("--no-async", action="store_true", help="measure only blocking saves")
+    parser.add_argument("--chain", type=int, default=0, help="also measure incremental chains of N links (0: no)")
+    parser.add_argument("--delta-steps", type=int, nargs="+", default=[1, 8],
+                        help="training steps between the links of a chain, one chain each (default: 1 8)")
     parser.add_argument("--e2e-steps", type=int, default=0, help="also time a fit of N steps, sync vs async")
     parser.add_argument("--e2e-every", type=int, default=10, help="steps between its checkpoints (default: 10)")
     args = parser.parse_args()
@@ -143,7 +156,7 @@ def train(args: argparse.Namespace, size_mb: int) -> pl.Trainer:
         enable_model_summary=False,
     )
     model = DLRMModule(sizes, embedding_dim=args.embedding_dim)
-    data = DLRMDataModule(sizes, global_batch_size=args.batch, train_batches=args.train_steps, val_batches=0)
+    data = DLRMDataModule(sizes, global_batch_size=args.batch, train_batches=args.train_steps + 100_000, val_batches=0)
     trainer.fit(model, data)
     return trainer
 
@@ -228,7 +241,7 @@ def measure_torch_save(trainer: pl.Trainer, path: Path) -> Sample:
     return Sample(save_s, restore_s, disk_bytes(path) if trainer.is_global_zero else 0, save_s)
 
 
-def measure_size(args: argparse.Namespace, size_mb: int) -> list[Row]:
+def measure_size(args: argparse.Namespace, size_mb: int, chains: list[ChainRow]) -> list[Row]:
     """Trains a model of ``size_mb`` and measures every method on it, in a rotating order per repeat."""
     trainer = train(args, size_mb)
     tmp = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.tmp) if trainer.is_global_zero else ""
@@ -246,10 +259,110 @@ def measure_size(args: argparse.Namespace, size_mb: int) -> list[Row]:
                 remove(trainer, path)
     finally:
         remove(trainer, root)
+    if args.chain:
+        chains.extend(measure_chains(args, trainer, size_mb))
     rows = [Row(size_mb, method, nbytes, *median(samples[method])) for method in methods]
     for row in rows:
         progress(trainer, f"{size_mb} MiB {row.method}: save {row.save_s:.2f} s, restore {row.restore_s:.2f} s")
     return rows
+
+
+@dataclass
+class ChainRow:
+    """One incremental chain at one size: the full link, the deltas (medians), the chain's restore."""
+
+    size_mb: int
+    mode: str
+    delta_steps: int
+    full_blocked_s: float
+    full_save_s: float
+    full_bytes: int
+    blocked_s: float
+    save_s: float
+    delta_bytes: float
+    rows: float
+    restore_s: float
+
+
+def train_steps(trainer: pl.Trainer, batches, steps: int) -> None:
+    """``steps`` forward and backward passes of the trained model (the fused optimizer updates the looked-up rows;
+    the dense part is not stepped: nothing the checkpoint measures depends on it)."""
+    module = trainer.lightning_module
+    trainer.strategy.model.train()
+    with torch.enable_grad():
+        for _ in range(steps):
+            batch = next(batches)
+            module.loss_fn(module(batch), batch.labels).backward()
+
+
+def measure_chain(trainer: pl.Trainer, args: argparse.Namespace, size_mb: int, asynchronous: bool,
+                  delta_steps: int, root: Path) -> ChainRow:
+    """A chain of ``--chain`` links (full + deltas ``delta_steps`` training steps apart) into ``root``; then a restore
+    of its last link (the whole chain)."""
+    from lightning_dlrover.strategy.incremental import ChainPolicy
+
+    strategy = trainer.strategy
+    checkpointing = strategy.checkpointing
+    checkpointing.policy, checkpointing.asynchronous = ChainPolicy(args.chain), asynchronous
+    batches = iter(trainer.datamodule.train_dataloader())
+    links: list[tuple[float, float, int, int]] = []  # blocked, save, bytes, rows (summed over ranks)
+    for index in range(args.chain):
+        if index:
+            train_steps(trainer, batches, delta_steps)
+        path = root / f"link-{index}"
+        strategy.barrier()
+        start = time.perf_counter()
+        trainer.save_checkpoint(path)
+        strategy.barrier()
+        blocked = time.perf_counter() - start
+        checkpointing.wait()
+        strategy.barrier()
+        save = time.perf_counter() - start
+        rows = torch.tensor([checkpointing.policy.last_rows or 0], dtype=torch.int64)
+        dist.all_reduce(rows)
+        links.append((blocked, save, disk_bytes(path) if trainer.is_global_zero else 0, int(rows.item())))
+    checkpointing.asynchronous = False
+    restore = timed(trainer, lambda: strategy.load_checkpoint(root / f"link-{args.chain - 1}"))
+    checkpointing.policy.tracker.close()
+    checkpointing.policy = None
+    deltas = links[1:] or links
+    mode = "incr+async" if asynchronous else "incr"
+    return ChainRow(size_mb, mode, delta_steps, links[0][0], links[0][1], links[0][2],
+                    statistics.median(d[0] for d in deltas), statistics.median(d[1] for d in deltas),
+                    statistics.median(d[2] for d in deltas), statistics.median(d[3] for d in deltas), restore)
+
+
+def measure_chains(args: argparse.Namespace, trainer: pl.Trainer, size_mb: int) -> list[ChainRow]:
+    """Every chain of ``--delta-steps`` and both modes at one size."""
+    tmp = tempfile.mkdtemp(prefix="bench_chain_", dir=args.tmp) if trainer.is_global_zero else ""
+    root = Path(trainer.strategy.broadcast(tmp))
+    out = []
+    try:
+        for delta_steps in args.delta_steps:
+            for asynchronous in ([] if args.async_only else [False]) + ([] if args.no_async else [True]):
+                chain = root / f"chain-{delta_steps}-{int(asynchronous)}"
+                out.append(measure_chain(trainer, args, size_mb, asynchronous, delta_steps, chain))
+                remove(trainer, chain)
+                progress(trainer, f"{size_mb} MiB chain {out[-1].mode} every {delta_steps} steps: blocked "
+                                  f"{out[-1].blocked_s:.3f} s, {out[-1].delta_bytes / MiB:.1f} MiB per delta")
+    finally:
+        remove(trainer, root)
+    return out
+
+
+def print_chains(rows: list[ChainRow], args: argparse.Namespace) -> None:
+    print(f"\nIncremental chains (incremental_checkpoint_every={args.chain}): a full save, then {args.chain - 1} deltas "
+          f"each after K training steps (global batch {args.batch}); delta columns are medians over the deltas; rows: "
+          "embedding rows in a delta, summed over ranks; restore: the whole chain.")
+    header = (f"{'emb MiB':>8}  {'mode':<11}{'K':>4}{'full blk s':>11}{'full s':>8}{'full MiB':>9}{'blocked s':>10}"
+              f"{'save s':>8}{'MiB/delta':>10}{'rows/delta':>11}{'B/row':>7}{'restore s':>10}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        per_row = r.delta_bytes / r.rows if r.rows else float("nan")
+        print(f"{r.size_mb:>8}  {r.mode:<11}{r.delta_steps:>4}{r.full_blocked_s:>11.3f}{r.full_save_s:>8.3f}"
+              f"{r.full_bytes / MiB:>9.1f}{r.blocked_s:>10.3f}{r.save_s:>8.3f}{r.delta_bytes / MiB:>10.2f}"
+              f"{r.rows:>11.0f}{per_row:>7.0f}{r.restore_s:>10.3f}")
 
 
 def median(samples: list[Sample]) -> tuple[float, float, int, float]:
@@ -341,9 +454,10 @@ def main() -> None:
     args = parse_args()
     quiet()
     rows: list[Row] = []
+    chains: list[ChainRow] = []
     e2e: list[tuple[int, str, float, float, int]] = []
     for size_mb in args.sizes_mb:
-        rows.extend(measure_size(args, size_mb))
+        rows.extend(measure_size(args, size_mb, chains))
         gc.collect()  # the trainer and its model of this size
         if args.e2e_steps:
             for asynchronous in (False, True):
@@ -352,6 +466,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print_table(rows, args)
         print(recommend(rows))
+        if chains:
+            print_chains(chains, args)
         if e2e:
             print(f"\nEnd to end: fit of {args.e2e_steps} steps (global batch {args.batch}), a checkpoint every "
                   f"{args.e2e_every} steps ({args.backends[0]}); wall of fit on rank 0, CPU of all ranks' processes.")

@@ -39,7 +39,7 @@ from lightning_dlrover.advisor.replan import ReplanAdvice, strategy_placement, t
 from lightning_dlrover.advisor.report import write_reports
 from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
 from lightning_dlrover.advisor.restart import RestartDecision, RestartMode
-from lightning_dlrover.advisor.runtime import PeerFailed, RuntimeWatch, broadcast, held, meet
+from lightning_dlrover.advisor.runtime import PeerFailed, RuntimeWatch, broadcast, checkpoint_staging_bytes, held, meet
 from lightning_dlrover.advisor.window import ProfilingWindow, RecommendedAt
 from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import ThroughputMonitor, collectives, emit
@@ -263,7 +263,8 @@ class ResourceAdvisor(Callback):
         if self.window.schedule or (self.recommended_at is not None and self.recommended_at.step == step):
             self.watch.quiet_until = step + self.config.settle_steps  # probing or just changed: no straggler verdict
         if step % self.config.check_every_n_steps == 0:
-            self.watch.check(trainer.global_rank, trainer.num_devices, trainer.world_size, step)
+            self.watch.check(trainer.global_rank, trainer.num_devices, trainer.world_size, step,
+                             checkpoint_staging_bytes(trainer))
 
     def _collectives_at(self, step: int) -> int:
         """The advisor's collectives in ``on_train_batch_end`` at ``step`` (probe ends, recommendation, check)."""

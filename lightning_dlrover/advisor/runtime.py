@@ -121,6 +121,13 @@ def background_cores(stats: Sequence[Sequence[float]], ranks_per_node: int, core
     return min(max(sum(values) / len(values), 0.0), cores - 0.25) if values else 0.0
 
 
+def checkpoint_staging_bytes(trainer: Any) -> float:
+    """The memory the trainer's strategy will allocate for its next checkpoint save and does not hold yet
+    (``DLRoverStrategy.checkpoint_staging_bytes``; 0 for other strategies)."""
+    measure = getattr(trainer.strategy, "checkpoint_staging_bytes", None)
+    return float(measure()) if callable(measure) else 0.0
+
+
 class RuntimeWatch:
     """Collects this rank's steps, and at every :meth:`check` gathers all ranks' windows and runs the detectors
     (findings are reported on rank 0)."""
@@ -142,11 +149,15 @@ class RuntimeWatch:
     def add_step(self, sample: StepSample) -> None:
         self._steps.append(sample)
 
-    def check(self, rank: int, ranks_per_node: int, world_size: int, step: int) -> None:
-        """Gathers every rank's window since the last check (collective) and runs the detectors on rank 0."""
+    def check(self, rank: int, ranks_per_node: int, world_size: int, step: int, staging_bytes: float = 0.0) -> None:
+        """Gathers every rank's window since the last check (collective) and runs the detectors on rank 0
+        (``staging_bytes``: this rank's memory for its next checkpoint save not allocated yet, see
+        :func:`checkpoint_staging_bytes`)."""
         steps, self._steps = self._steps, []
         local = RankWindow.from_steps(rank, rank // ranks_per_node, steps, os.getpid(),
                                       children_memory()) if steps else None
+        if local is not None and staging_bytes:
+            local = replace(local, staging_bytes=float(staging_bytes))
         counts = self.lookups.counts.clone() if self.lookups is not None else None
         gathered = gather(world_size, (local, counts))
         if rank != 0:
@@ -166,7 +177,8 @@ class RuntimeWatch:
             for f in self.oom.update(windows, max(w.step_s for w in windows)):
                 self.report(f.message(), "oom_forecast", step, dict(
                     node=f.node, rss_bytes=f.rss_bytes, limit_bytes=f.limit_bytes, steps_to_oom=f.steps_to_oom,
-                    growth_bytes_per_step=f.growth_bytes_per_step, seconds_to_oom=f.seconds_to_oom))
+                    growth_bytes_per_step=f.growth_bytes_per_step, seconds_to_oom=f.seconds_to_oom,
+                    staging_bytes=f.staging_bytes))
         if self.lookups is not None and gathered[0][1] is not None:
             self.global_counts = sum(c for _, c in gathered)
             if self.placement:

@@ -83,12 +83,13 @@ def read_meta(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
 
 
 def latest_checkpoint(directory: Path | None, at_most: int | None = None) -> Path | None:
-    """The complete checkpoint under ``directory`` with the highest step ``<= at_most`` (any step if ``None``)."""
+    """The complete checkpoint under ``directory`` with the highest step ``<= at_most`` (any step if ``None``); hidden
+    directories (a link of an incremental chain moved aside) are not candidates."""
     if directory is None or not directory.is_dir():
         return None
     found = []
     for info in directory.glob(f"*/{INFO_FILE}"):
-        if info.parent.name.endswith(".partial") or not is_checkpoint(info.parent):
+        if info.parent.name.endswith(".partial") or info.parent.name.startswith(".") or not is_checkpoint(info.parent):
             continue
         step = int(json.loads(info.read_text())["global_step"])
         if at_most is None or step <= at_most:

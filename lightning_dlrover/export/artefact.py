@@ -85,6 +85,13 @@ def export_checkpoint(
             "it into a job with DLRoverStrategy(checkpoint_backend='dcp') (any backend loads) and save it again "
             "(Trainer.save_checkpoint), or train with the default backend."
         )
+    if int((info.get("incremental") or {}).get("link", 0)):
+        raise BadCheckpoint(
+            f"{path} is a delta of an incremental checkpoint chain (link {info['incremental']['link']}): it holds only "
+            "the embedding rows changed since the previous link. Export the chain's full checkpoint, or load this one "
+            "into a job (DLRoverStrategy restores the chain) and save it with Trainer.save_checkpoint after a fit "
+            "without incremental_checkpoint_every."
+        )
     if quantize is not None and quantize not in QUANTIZE_DTYPES:
         raise ValueError(f"quantize={quantize!r} is not one of {sorted(QUANTIZE_DTYPES)}.")
     if out.exists() and not overwrite:

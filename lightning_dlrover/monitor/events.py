@@ -68,7 +68,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "advice_applied": ("stage", "knob", "old", "new", "via"),  # every rank, as it applies a live knob
     "advice_in_effect": ("stage", "knob", "value", "applied_step", "steps"),  # the change measured in the job
     "straggler": ("straggler_rank", "cause", "ratio", "excess_ms", "since_step"),
-    "oom_forecast": ("node", "rss_bytes", "limit_bytes", "growth_bytes_per_step", "steps_to_oom", "seconds_to_oom"),
+    "oom_forecast": ("node", "rss_bytes", "limit_bytes", "growth_bytes_per_step", "steps_to_oom", "seconds_to_oom",
+                     "staging_bytes"),  # staging_bytes: memory for the next checkpoint save, counted as used
     "hot_rank": ("hot_rank", "share", "ratio", "tables"),
     # PipelineTuner (step: the global step of the decision)
     "pipeline_decision": ("tuner", "config", "samples_per_s", "wait_fraction", "memory_bytes", "budget_memory_bytes",
@@ -88,9 +89,12 @@ KINDS: dict[str, tuple[str, ...]] = {
     # Asynchronous checkpoints (DLRoverStrategy(async_checkpoint=True)), every rank; step: the checkpoint's step.
     # staging: the bytes this rank copies per save (at the first save); saved: committed (blocked_s: training was
     # blocked, write_s: until the commit); waited: a save waited for the one in flight; failed: nothing was committed,
-    # kept: the newest complete checkpoint (rank 0)
+    # kept: the newest complete checkpoint (rank 0). Incremental saves (incremental_checkpoint_every): saved has link
+    # (0: full, i: the i-th delta of its chain) and rows (this rank's rows in the delta); chain_broken: a resume found
+    # a link of the chain missing and restored the newest complete prefix (used: its last link, step: its step)
     "checkpoint_staging": ("bytes",),
-    "checkpoint_saved": ("path", "mode", "blocked_s", "write_s", "bytes"),
+    "checkpoint_saved": ("path", "mode", "blocked_s", "write_s", "bytes", "link", "rows"),
+    "checkpoint_chain_broken": ("path", "missing_link", "used"),
     "checkpoint_waited": ("path", "previous", "waited_s"),
     "checkpoint_failed": ("path", "error_type", "error", "kept"),
 }

@@ -26,6 +26,12 @@ with a process group of its own, the staged state sent through a pipe) was not t
 calls the backend's own ``save`` (for ``dcp``: ``dcp.save`` with ``process_group=``) on the staged copy, over a gloo
 group of its own (created on the first save), so that its collectives never interleave with training's on the
 default group or the control plane.
+
+With ``incremental_checkpoint_every=N`` every ``N``-th save is full and the others are deltas
+(:mod:`~lightning_dlrover.strategy.incremental`: which, and the rows they hold); both modes above apply to either.
+A delta's staging is its changed rows and the dense state, so it blocks training for a time in proportion to
+the rows touched. A load goes through :meth:`Checkpointing.load`, which restores a delta's chain (or, with a link
+missing, the newest complete prefix: the event ``checkpoint_chain_broken`` and a warning).
 """
 
 from __future__ import annotations
@@ -43,10 +49,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_dlrover import control_plane
-from lightning_dlrover.checkpoint import directory, job
+from lightning_dlrover.checkpoint import directory, incremental, job
+from lightning_dlrover.checkpoint.sharded import flatten
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor import emit
 from lightning_dlrover.strategy import process_exit
+from lightning_dlrover.strategy.incremental import ChainPolicy
 
 log = get_logger(__name__)
 
@@ -77,14 +85,17 @@ def _write_hook(step: int) -> None:
 class Checkpointing:
     """Saves (blocking or in the background) and removes the strategy's checkpoints; see the module docs."""
 
-    def __init__(self, asynchronous: bool, timeout: timedelta | None) -> None:
+    def __init__(self, asynchronous: bool, timeout: timedelta | None, incremental_every: int | None = None) -> None:
         self.asynchronous = asynchronous
+        self.policy = ChainPolicy(incremental_every) if incremental_every else None
+        self._committed: bool | None = None  # the outcome of the last save (None: none yet)
+        self._live_chain: str | None = None  # the chain of the last committed full link (rank 0)
         self.timeout = timeout
         self._group: Any = None
         self._made_for: Any = None  # the default group the writers' group was made for
         self._thread: threading.Thread | None = None
         self._in_flight: job.PendingSave | None = None
-        self._last: job.PendingSave | None = None  # the last save whose write is over: its copy is reused
+        self._reuse: dict[bool, job.PendingSave] = {}  # the last full / delta save whose write is over: its copy
         self._removals: list[Path] = []
         self._lock = threading.Lock()
         self._reported_staging = self._wait_at_exit = self._broken = self._abandoned = False
@@ -97,10 +108,15 @@ class Checkpointing:
         kwargs = dict(world_size=strategy.world_size, is_global_zero=strategy.is_global_zero,
                       barrier=strategy.barrier, extra_meta=strategy.checkpoint_extra_meta)
         if not self.asynchronous:
-            job.save(checkpoint, path, strategy.checkpoint_backend, strategy.fused_optimizer, **kwargs)
+            kwargs.update(self._plan(strategy, checkpoint))
+            pending = job.save(checkpoint, path, strategy.checkpoint_backend, strategy.fused_optimizer, **kwargs)
             self.last_blocked_s = time.perf_counter() - start
+            if self.policy is not None:
+                self.policy.settle(True)
+                self._after_commit(pending, strategy.is_global_zero, "blocking", start)
             return
         self.wait(path)
+        kwargs.update(self._plan(strategy, checkpoint))
         # every rank saves together, so every rank (re)creates the group together: at the first save, after a
         # collective of it failed (a peer's writer timed out: the group cannot be used again), or for a new default
         # group (a replaced rank); one vote, so a rank that never had a group agrees with those that had one
@@ -108,9 +124,9 @@ class Checkpointing:
         if not control_plane.all_true(usable):
             self._group, self._broken = dist.new_group(backend="gloo", timeout=self._writer_timeout()), False
             self._made_for = dist.group.WORLD
+        delta = kwargs.get("delta") is not None
         pending = job.prepare(checkpoint, path, strategy.checkpoint_backend, strategy.fused_optimizer, copy=True,
-                              reuse=self._last, **kwargs)
-        self._last = None
+                              reuse=self._reuse.pop(delta, None), **kwargs)
         self.last_blocked_s = time.perf_counter() - start
         if not self._reported_staging:
             self._reported_staging = True
@@ -124,6 +140,71 @@ class Checkpointing:
         if not self._wait_at_exit:  # registered after process_exit's handlers, so it runs before them
             self._wait_at_exit = True
             atexit.register(self.wait)
+
+    def _plan(self, strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """``link`` and ``delta`` of the next save for :func:`job.prepare` (nothing without incremental saves; a
+        collective with them), after the outcome of the previous save is recorded."""
+        if self.policy is None:
+            return {}
+        if self._committed is not None:
+            self.policy.settle(self._committed)
+            self._committed = None
+        state = lambda: {"model": checkpoint["state_dict"],  # noqa: E731
+                         "fused_optimizer": job.fused_optimizer_state(strategy.fused_optimizer)}
+        link, delta = self.policy.plan(strategy.model, state)
+        return {"link": link, "delta": delta}
+
+    def _after_commit(self, pending: job.PendingSave, is_global_zero: bool, mode: str, start: float) -> None:
+        """Reports a committed save (blocking mode; the writer reports its own); after a full link, deletes the links
+        of older chains that nothing needs (rank 0)."""
+        if pending.rows is None and is_global_zero and pending.link is not None:
+            self._live_chain = pending.link["chain"]
+            self._collect(pending.path.parent)
+        if mode == "blocking":
+            emit("checkpoint_saved", step=pending.step, path=str(pending.path), mode=mode,
+                 blocked_s=round(self.last_blocked_s, 4), write_s=round(time.perf_counter() - start, 4),
+                 bytes=pending.staged_bytes, **_link_fields(pending))
+
+    def _collect(self, checkpoint_dir: Path) -> None:
+        for path in incremental.collect(checkpoint_dir, self._live_chain or ""):
+            log.info(f"lightning_dlrover: removed {path.name}, a link of an older checkpoint chain nothing needs")
+
+    def _remove(self, path: Path) -> None:
+        """Removes a checkpoint directory (rank 0); a link of an incremental chain goes aside while a delta may need
+        it (see :func:`~lightning_dlrover.checkpoint.incremental.retire`)."""
+        incremental.retire(path)
+        if self._live_chain is not None:
+            self._collect(path.parent)
+
+    def load(self, strategy: Any, path: Path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        """Loads the checkpoint at ``path`` (a delta: its chain, see the module docs) after the save in flight; the
+        next incremental save is full."""
+        self.wait()
+        chain = incremental.resolve(path)
+        if not chain.complete and strategy.is_global_zero:
+            used = chain.links[-1]
+            step = directory.read_info(used)["global_step"]
+            emit("checkpoint_chain_broken", step=step, path=str(path), missing_link=chain.missing, used=str(used))
+            log.warning(f"lightning_dlrover: link {chain.missing} of the incremental checkpoint chain of {path} is "
+                        f"missing (removed, or its write never committed); restoring the newest complete prefix of "
+                        f"the chain instead: {used} (step {step}).")
+        meta = job.load(path, strategy.lightning_module, strategy.fused_optimizer, world_size=strategy.world_size,
+                        strict=strict, weights_only=weights_only, chain=chain)
+        if self.policy is not None:
+            self.policy.reset()
+            self._committed = None
+        return meta
+
+    def unstaged_bytes(self, strategy: Any) -> int:
+        """The staging memory this rank will allocate at its next save and does not hold yet: with asynchronous saves,
+        before the first full save's copy exists, the bytes of its model, fused and dense optimizer state (local
+        shards); else 0. No collective."""
+        if not self.asynchronous or self._reuse.get(False) is not None or \
+                (self._in_flight is not None and self._in_flight.rows is None) or strategy._dmp is None:
+            return 0
+        state = [strategy.lightning_module.state_dict(), strategy.fused_optimizer.state_dict()["state"],
+                 [optimizer.state_dict()["state"] for optimizer in strategy.optimizers]]
+        return sum(t.numel() * t.element_size() for t in _local_tensors(state))
 
     def _write(self, pending: job.PendingSave, is_global_zero: bool, start: float) -> None:
         error: BaseException | None = None
@@ -143,14 +224,17 @@ class Checkpointing:
             error, self._broken = error or err, True
         with self._lock:
             removals, self._removals = self._removals, []
-            self._in_flight, self._last = None, pending  # its copy is the next save's staging memory
+            self._in_flight, self._committed = None, committed
+            self._reuse[pending.rows is not None] = pending  # its copy is the next such save's staging memory
         if committed:
             if is_global_zero:
                 for path in removals:
-                    _remove(path)
+                    self._remove(path)
+            if self.policy is not None:
+                self._after_commit(pending, is_global_zero, "async", start)
             emit("checkpoint_saved", step=pending.step, path=str(pending.path), mode="async",
                  blocked_s=round(self.last_blocked_s, 4), write_s=round(time.perf_counter() - start, 4),
-                 bytes=pending.staged_bytes)
+                 bytes=pending.staged_bytes, **_link_fields(pending))
             return
         pending.discard()
         kept = directory.latest_checkpoint(pending.path.parent) if is_global_zero else None
@@ -200,7 +284,7 @@ class Checkpointing:
             if self._in_flight is not None:
                 self._removals.append(path)
                 return
-        _remove(path)
+        self._remove(path)
 
 
 def _cause(error: BaseException) -> BaseException:
@@ -212,7 +296,20 @@ def _cause(error: BaseException) -> BaseException:
     return error
 
 
-def _remove(path: Path) -> None:
-    import shutil
+def _local_tensors(state: Any) -> list[torch.Tensor]:
+    """The tensors of nested state (a ``ShardedTensor``: its local shards)."""
+    out = []
+    for _, value in flatten(state):
+        if hasattr(value, "local_shards"):
+            out += [shard.tensor for shard in value.local_shards()]
+        elif isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
 
-    shutil.rmtree(path, ignore_errors=True)
+
+def _link_fields(pending: job.PendingSave) -> dict[str, Any]:
+    """``link`` and ``rows`` of ``checkpoint_saved`` for a link of an incremental chain (none otherwise)."""
+    if pending.link is None:
+        return {}
+    return {"link": pending.link["link"], "rows": pending.rows.count if pending.rows is not None else None}
+

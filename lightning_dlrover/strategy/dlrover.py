@@ -40,13 +40,13 @@ from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV
 from lightning_dlrover.strategy import auto_parity, in_process, process_exit
 from lightning_dlrover.strategy.checkpointing import Checkpointing
+from lightning_dlrover.strategy.elastic_range import check_elastic_range
 from lightning_dlrover.strategy.launcher import validate_trainer_addons
 from lightning_dlrover.strategy.sharding import (
     CPU_DEFAULT_SHARDING_TYPES,
     SHARDING_TYPES,
     TableConstraint,
     build_constraints,
-    check_elastic_sizes,
     check_module,
     check_options,
     describe_plan,
@@ -54,7 +54,6 @@ from lightning_dlrover.strategy.sharding import (
     plan_sharding,
 )
 from lightning_dlrover.strategy.support import check_device, check_parity_optimizers, warn_unresumable_data
-from lightning_dlrover.worker_env import node_range
 
 log = get_logger(__name__)
 
@@ -78,6 +77,8 @@ class DLRoverStrategy(DDPStrategy):
             rows; optimizer and trainer state start fresh (step 0). A checkpoint to resume from (``ckpt_path``) wins.
         async_checkpoint: a save blocks training only while the state is copied; the write and the commit run in
             the background (see :mod:`~lightning_dlrover.strategy.checkpointing`).
+        incremental_checkpoint_every: a full checkpoint every ``N`` saves, the saves between them only the embedding
+            rows changed since the previous one (and the rest of the state in full); see :mod:`.incremental`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in :class:`~lightning.pytorch.strategies.DDPStrategy`.
             ``timeout`` also bounds how long a survivor waits on a dead peer before it gives up and spills.
@@ -95,6 +96,7 @@ class DLRoverStrategy(DDPStrategy):
         print_digest: bool = True,
         init_from: str | Path | None = None,
         async_checkpoint: bool = False,
+        incremental_checkpoint_every: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -119,7 +121,7 @@ class DLRoverStrategy(DDPStrategy):
         }
         check_options(sharding_types, compute_kernel, self.constraints, parity=parity is not None)
         self.checkpoint_backend = get_backend(checkpoint_backend)
-        self.checkpointing = Checkpointing(async_checkpoint, timeout)
+        self.checkpointing = Checkpointing(async_checkpoint, timeout, incremental_checkpoint_every)
         self.print_digest = print_digest
         self.init_from = export_directory(init_from) if init_from is not None else None
         self.parity = ParityConfig.from_option(parity)  # "auto": the planner picks at set-up (auto_parity.resolve)
@@ -199,7 +201,7 @@ class DLRoverStrategy(DDPStrategy):
             )
         if not self._started:
             self.parity = self.fault.parity = auto_parity.resolve(self, trainer)
-            self._check_elastic_range(trainer)
+            check_elastic_range(self, trainer)
         self.precision_plugin.convert_module(self.model)
         self.model = self._dmp if self._dmp is not None else self._shard(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING and not self._started and self.init_from is not None:
@@ -233,16 +235,6 @@ class DLRoverStrategy(DDPStrategy):
             return glue.dump_trainer_state(trainer)
         finally:
             self._snapshotting = False
-
-    def _check_elastic_range(self, trainer: pl.Trainer) -> None:
-        """Under ``torchrun --nnodes MIN:MAX``: the batch and parity must fit every world size the job may take."""
-        nodes = node_range()
-        if nodes is None:
-            return
-        sizes = [n * self.num_processes for n in range(nodes[0], nodes[1] + 1)]
-        hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
-        parity = (self.parity.k, self.parity.r) if self.parity is not None else None
-        check_elastic_sizes(sizes, hparams.get("global_batch_size"), parity)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -346,6 +338,11 @@ class DLRoverStrategy(DDPStrategy):
         self.fault.settle()  # the checkpoint and the committed step agree
         self.checkpointing.save(self, checkpoint, Path(self.broadcast(str(filepath))))
 
+    def checkpoint_staging_bytes(self) -> int:
+        """Memory this rank will allocate at its next checkpoint save and does not hold yet (the advisor's OOM
+        forecast counts it; see :meth:`.Checkpointing.unstaged_bytes`)."""
+        return self.checkpointing.unstaged_bytes(self)
+
     def checkpoint_extra_meta(self) -> dict[str, Any]:
         """What a checkpoint's ``meta.pt`` holds besides Lightning's dict (a collective)."""
         return {"dlrover_rank_states": self.fault.gather_rank_states(),
@@ -361,10 +358,8 @@ class DLRoverStrategy(DDPStrategy):
         if self._resume is not None:
             rank_zero_info(f"DLRoverStrategy: not loading {checkpoint_path}: the job resumes from its restored state.")
             return self._resume
-        self.checkpointing.wait()
-        module = self.lightning_module
-        meta = job.load(Path(self.broadcast(str(checkpoint_path))), module, self.fused_optimizer,
-                        world_size=self.world_size, strict=module.strict_loading, weights_only=weights_only)
+        meta = self.checkpointing.load(self, Path(self.broadcast(str(checkpoint_path))),
+                                       self.lightning_module.strict_loading, weights_only)
         self.fault.after_checkpoint_load(meta)
         return meta
 

@@ -326,6 +326,7 @@ def main() -> None:
     p.add_argument("--ckpt_path", default=None, help="resume from this checkpoint")
     p.add_argument("--samples", type=int, default=0, help="stop after this many samples (all ranks)")
     p.add_argument("--restart", default="print", help="ResourceAdvisor(restart=...)")
+    p.add_argument("--async-ckpt", action="store_true", help="DLRoverStrategy(async_checkpoint=True)")
     p.add_argument("--leak-mb", type=float, default=0.0)
     p.add_argument("--leak-from", type=int, default=5)
     p.add_argument("--headroom-mb", type=float, default=None, help="node memory limit: memory at --leak-from + this")
@@ -388,7 +389,8 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=DLRoverStrategy(sharding_types=["table_wise"],
                                                                           constraints=constraints or None,
-                                                                          print_digest=False),
+                                                                          print_digest=False,
+                                                                          async_checkpoint=args.async_ckpt),
         max_steps=args.steps if not (args.sweep or args.samples) else 10**6, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         default_root_dir=args.root,

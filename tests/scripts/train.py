@@ -60,6 +60,15 @@ class LossDrill(pl.Callback):
                 print(f"drill {phase} lost={lost}: recovered state {verdict}", flush=True)
 
 
+class PrintStaging(pl.Callback):
+    """Prints ``checkpoint staging bytes: N`` (rank 0's memory for its next save, not allocated yet) after the first
+    step (the dense optimizers' state exists from then on)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.is_global_zero and trainer.global_step == 1:
+            print(f"checkpoint staging bytes: {trainer.strategy.checkpoint_staging_bytes()}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=2)
@@ -70,7 +79,10 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--ckpt-every", type=int, default=0)
     parser.add_argument("--async-ckpt", action="store_true", help="DLRoverStrategy(async_checkpoint=True)")
+    parser.add_argument("--incremental", type=int, default=None, metavar="N",
+                        help="DLRoverStrategy(incremental_checkpoint_every=N)")
     parser.add_argument("--save-top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k=...)")
+    parser.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--seed", type=int, default=7)
@@ -98,6 +110,7 @@ def main() -> None:
         constraints=constraints,
         checkpoint_backend=args.backend,
         async_checkpoint=args.async_ckpt,
+        incremental_checkpoint_every=args.incremental,
         parity=ParityConfig.parse(args.parity) if args.parity else None,
         **({"timeout": timedelta(seconds=args.pg_timeout)} if args.pg_timeout else {}),
     )
@@ -106,12 +119,14 @@ def main() -> None:
         lost = [list(map(int, s.split(","))) for s in args.drill.split()]
         more = [(int(a), int(b), phase) for a, b, phase in (m.split(",") for m in args.drill_more)]
         callbacks.append(LossDrill(args.drill_at, lost, args.drill_phase, args.drill_loss_at, more))
+    if args.async_ckpt:
+        callbacks.append(PrintStaging())
     if args.monitor:
         callbacks.append(ThroughputMonitor(log_every_n_steps=5, warmup_steps=2))
     if args.ckpt_every:
         callbacks.append(
             ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=args.save_top_k,
-                            save_last=False)
+                            save_last=args.save_last)
         )
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -163,6 +163,8 @@ def main() -> None:
     parser.add_argument("--root", default=".")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--async-ckpt", action="store_true", help="DLRoverStrategy(async_checkpoint=True)")
+    parser.add_argument("--incremental", type=int, default=None, metavar="N",
+                        help="DLRoverStrategy(incremental_checkpoint_every=N)")
     parser.add_argument("--save-after", action="append", default=[], metavar="PATH",
                         help="Trainer.save_checkpoint(PATH) after fit (repeatable)")
     args = parser.parse_args()
@@ -176,7 +178,7 @@ def main() -> None:
         accelerator="cpu",
         **(elastic_trainer_args() or {"devices": args.devices}),
         strategy=DLRoverStrategy(sharding_types=["table_wise"], parity=parity, timeout=timedelta(seconds=20),
-                                 async_checkpoint=args.async_ckpt),
+                                 async_checkpoint=args.async_ckpt, incremental_checkpoint_every=args.incremental),
         max_steps=args.steps,
         default_root_dir=args.root,
         use_distributed_sampler=False,
