@@ -38,6 +38,7 @@ from lightning_dlrover.data.staged import STAGES, PipelineConfig  # noqa: E402
 from lightning_dlrover.pipeline_tuner import Budget, HillClimbTuner, RLTuner  # noqa: E402
 from lightning_dlrover.pipeline_tuner.baselines import AutotuneTuner, FixedTuner  # noqa: E402
 from lightning_dlrover.pipeline_tuner.model import Calibration, PipelineModel  # noqa: E402
+from lightning_dlrover.pipeline_tuner.observe import process_workers  # noqa: E402
 from lightning_dlrover.pipeline_tuner.report import table  # noqa: E402
 
 SIZES = [1000, 500, 2000, 1000, 300, 100, 1000, 200, 50, 1000, 1000, 1000, 500, 100, 1000, 2000, 1000, 50, 1000,
@@ -61,18 +62,23 @@ def _loader_run(path: Path, config: PipelineConfig, batch: int, batches: int) ->
     it = iter(loader)
     for _ in range(4):
         next(it)
-    s0, cpu0, t0 = loader.stats.copy(), sum(me.cpu_times()[:2]), time.perf_counter()
+    workers = [psutil.Process(p) for p in loader.worker_pids()]
+
+    def worker_cpu() -> float:
+        return sum(sum(w.cpu_times()[:2]) for w in workers)
+
+    s0, cpu0, wcpu0, t0 = loader.stats.copy(), sum(me.cpu_times()[:2]), worker_cpu(), time.perf_counter()
     uss = []
     for i in range(batches):
         next(it)
         if i == batches // 2:
-            uss = [psutil.Process(p).memory_full_info().uss for p in loader.worker_pids()]
-    seconds, cpu = time.perf_counter() - t0, sum(me.cpu_times()[:2]) - cpu0
+            uss = [w.memory_full_info().uss for w in workers]
+    seconds, cpu, wcpu = time.perf_counter() - t0, sum(me.cpu_times()[:2]) - cpu0, worker_cpu() - wcpu0
     s1 = loader.stats
     loader.close()
     n = s1.batches - s0.batches
     return {"busy": {s: (s1.busy[s] - s0.busy[s]) / n for s in STAGES}, "main_cpu": cpu / n, "rate": n / seconds,
-            "uss": uss, "batch_bytes": s1.batch_bytes}
+            "uss": uss, "batch_bytes": s1.batch_bytes, "worker_cpu": wcpu / n}
 
 
 def _trainer_run(path: Path, batch: int, seconds: float) -> dict:
@@ -130,17 +136,25 @@ def calibrate(path: Path, batch: int, out: Path, reference: float | None, traine
     service = {s: inline["main_cpu"] * inline["busy"][s] / busy for s in STAGES}  # CPU seconds, split as busy
     ipc_parse = max(1e-4, parse["main_cpu"] - service["read"] - service["transform"] - service["assemble"])
     ipc_transform = max(1e-4, both["main_cpu"] - service["read"] - service["assemble"] - ipc_parse)
+    # The chain (assemble in processes): the training process only plans and receives; a hop between two worker
+    # processes is the second chain's extra worker CPU (a send and a receive of a transformed batch).
+    chain1 = _loader_run(path, PipelineConfig(0, 0, 0, 1, 0), batch, 150)  # CPU clocks tick in 10 ms: many batches
+    chain2 = _loader_run(path, PipelineConfig(0, 1, 0, 1, 0), batch, 150)
+    receive = max(1e-4, chain1["main_cpu"])
+    hop = max(1e-4, chain2["worker_cpu"] - chain1["worker_cpu"])
     trainer = _trainer_run(path, batch, 24.0)
     pipeline_s = sum(service.values())
     trainer_cpu = max(1e-3, trainer["cpu_per_step"] - pipeline_s)
     step_s = max(1e-3, batch / reference - pipeline_s) if reference else trainer_cpu / trainer_cores
     w = trainer["windows"]
     noise = statistics.pstdev(w) / statistics.mean(w) if len(w) >= 2 else 0.03
-    cal = Calibration(service_s=service, ipc_s={"parse": ipc_parse, "transform": ipc_transform}, step_s=step_s,
+    cal = Calibration(service_s=service, ipc_s={"parse": ipc_parse, "transform": ipc_transform, "assemble": receive,
+                                                "hop": hop}, step_s=step_s,
                       step_cores=min(2.0, trainer_cpu / step_s), worker_bytes=max(both["uss"] or [96 << 20]),
                       batch_bytes=inline["batch_bytes"], batch_size=batch, noise=min(0.1, noise))
     out.write_text(json.dumps({**cal.__dict__, "measured_at_load": os.getloadavg()[0], "trainer_cpu_s": trainer_cpu,
-                               "trainer_wall_s_here": trainer["wall_per_step"], "inline_wall": inline["busy"]}, indent=1))
+                               "trainer_wall_s_here": trainer["wall_per_step"], "inline_wall": inline["busy"],
+                               "chain_worker_cpu": [chain1["worker_cpu"], chain2["worker_cpu"]]}, indent=1))
     return cal
 
 
@@ -193,7 +207,7 @@ def simulate(model: PipelineModel, tuner, seconds: float, window_s: float = 2.0)
         w = window_s * (3 if getattr(tuner, "done", False) else 1)
         obs = model.observe(config, w)
         t += w
-        workers = [model.cal.worker_bytes] * sum(config.workers[s] for s in ("parse", "transform"))
+        workers = [model.cal.worker_bytes] * process_workers(config, model.cal.methods)
         decision = tuner.step(obs, workers)
         if decision.config is not None and decision.config != config:
             config = decision.config
@@ -242,8 +256,8 @@ def main(argv=None) -> None:
                    help="the trainer's own rate (a GPU's): its step takes batch / this seconds and keeps one core busy")
     p.add_argument("--minutes", type=float, default=2.0, help="pipeline time each tuner gets")
     p.add_argument("--seeds", type=int, default=5)
-    p.add_argument("--assemble-processes", action="store_true",
-                   help="also evaluate a what-if pipeline whose assemble stage runs in worker processes")
+    p.add_argument("--assemble-thread", action="store_true",
+                   help="also evaluate the pipeline with assemble in threads of the training process (before #24)")
     p.add_argument("--trainer-cores", type=float, default=1.5,
                    help="cores the demo DLRM's step keeps busy on 2 cores (its wall step: its CPU / this)")
     p.add_argument("--noise", type=float, help="window-to-window noise of the rate (default: the calibrated one)")
@@ -256,6 +270,8 @@ def main(argv=None) -> None:
     cal = load(args.calibration)
     if args.noise is not None:  # e.g. a quiet machine's window noise instead of the one measured
         cal = Calibration(**{**cal.__dict__, "noise": args.noise})
+    if "assemble" not in cal.ipc_s:
+        sys.exit(f"{args.calibration} predates assemble in processes (no ipc_s.assemble): re-run --calibrate.")
     print("stage seconds per batch: " + ", ".join(f"{s} {cal.service_s[s] * 1e3:.1f} ms" for s in STAGES)
           + f"; process IPC {', '.join(f'{s} {v * 1e3:.1f} ms' for s, v in cal.ipc_s.items())}; trainer step "
           f"{cal.step_s * 1e3:.0f} ms on {cal.step_cores:.2f} cores; worker {cal.worker_bytes / 2**20:.0f} MiB; "
@@ -264,12 +280,11 @@ def main(argv=None) -> None:
     if args.measured:
         print(check(cal, args.measured))
     gpu = cal.with_trainer(args.batch / args.gpu_samples_per_s, 1.0)
-    variants = [("the staged pipeline as built (assemble: threads of the training process)", gpu)]
-    if args.assemble_processes:
-        variants.append(("what if assemble ran in worker processes (the training process receives finished "
-                         "batches at parse's measured IPC cost)", Calibration(**{
-                             **gpu.__dict__, "methods": {**gpu.methods, "assemble": "process"},
-                             "ipc_s": {**gpu.ipc_s, "assemble": gpu.ipc_s["parse"]}})))
+    variants = [(f"the staged pipeline with assemble in {gpu.methods['assemble']}es (as calibrated; 'process': the "
+                 "chain, the training process receives assembled batches only)", gpu)]
+    if args.assemble_thread:
+        variants.append(("assemble in threads of the training process (the pipeline before #24)", Calibration(**{
+            **gpu.__dict__, "methods": {**gpu.methods, "assemble": "thread"}})))
     for title, variant in variants:
         rows = []
         for cores in [int(c) for c in args.cores.split(",") if c]:
