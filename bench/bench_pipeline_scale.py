@@ -51,13 +51,13 @@ ISSUE_24 = [{"variant": "r0 p0 t0 a0 q0", "samples_per_s": 61_500},
             {"variant": "r1 p2 t2 a1 q2", "samples_per_s": 42_800}]
 
 
-def _loader_run(path: Path, config: PipelineConfig, batch: int, batches: int) -> dict:
+def _loader_run(path: Path, config: PipelineConfig, batch: int, batches: int, methods: dict | None = None) -> dict:
     import psutil
 
     from lightning_dlrover.data import CriteoTSV
     from lightning_dlrover.data.staged import PipelinedLoader
 
-    loader = PipelinedLoader(CriteoTSV([str(path)], SIZES), 0, 1, batch, config)
+    loader = PipelinedLoader(CriteoTSV([str(path)], SIZES), 0, 1, batch, config, methods=methods)
     me = psutil.Process()
     it = iter(loader)
     for _ in range(4):
@@ -142,6 +142,15 @@ def calibrate(path: Path, batch: int, out: Path, reference: float | None, traine
     chain2 = _loader_run(path, PipelineConfig(0, 1, 0, 1, 0), batch, 150)
     receive = max(1e-4, chain1["main_cpu"])
     hop = max(1e-4, chain2["worker_cpu"] - chain1["worker_cpu"])
+    # The training process's CPU per batch under the default, assemble in its threads vs in worker processes
+    # (interleaved, 2 rounds; CPU seconds, so the machine's load stretches them little).
+    main_cpu: dict[str, list[float]] = {"thread": [], "process": []}
+    for order in (("thread", "process"), ("process", "thread")):
+        for method in order:
+            main_cpu[method].append(_loader_run(path, PipelineConfig(), batch, 150, {"assemble": method})["main_cpu"])
+    print("the training process's CPU per batch, default r1 p1 t1 a1 q2: " + ", ".join(
+        f"assemble in {m}s {statistics.mean(v) * 1e3:.2f} ms ({' / '.join(f'{x * 1e3:.2f}' for x in v)})"
+        for m, v in main_cpu.items()), flush=True)
     trainer = _trainer_run(path, batch, 24.0)
     pipeline_s = sum(service.values())
     trainer_cpu = max(1e-3, trainer["cpu_per_step"] - pipeline_s)
@@ -154,7 +163,8 @@ def calibrate(path: Path, batch: int, out: Path, reference: float | None, traine
                       batch_bytes=inline["batch_bytes"], batch_size=batch, noise=min(0.1, noise))
     out.write_text(json.dumps({**cal.__dict__, "measured_at_load": os.getloadavg()[0], "trainer_cpu_s": trainer_cpu,
                                "trainer_wall_s_here": trainer["wall_per_step"], "inline_wall": inline["busy"],
-                               "chain_worker_cpu": [chain1["worker_cpu"], chain2["worker_cpu"]]}, indent=1))
+                               "chain_worker_cpu": [chain1["worker_cpu"], chain2["worker_cpu"]],
+                               "default_main_cpu_s": main_cpu}, indent=1))
     return cal
 
 
