@@ -5,7 +5,9 @@ consuming at a GPU's rate.
 
 1. ``--calibrate FILE``: measures on this machine, through the real staged loader (batch ``--batch``), in CPU
    seconds (load-proof): each stage's CPU per batch inline, the main process's extra CPU per batch of a stage in
-   worker processes, a worker process's memory, the demo DLRM's CPU per step (1 rank, all inline) and the noise
+   worker processes, with assemble in worker processes (the chain) the main process's CPU per batch (plan and
+   receive: the model's ``ipc_s["assemble"]``) and a hop between worker processes, the training process's CPU
+   per batch under the default with assemble in threads and in processes, a worker process's memory, the demo DLRM's CPU per step (1 rank, all inline) and the noise
    of 2-second windows of its rate; the trainer's wall step is its CPU over ``--trainer-cores`` (or from a quiet
    measured all-inline rate, ``--reference``). Writes ``calibration.json``.
 2. ``--measured results_x1.json`` (of ``bench/bench_pipeline_oracle.py --ranks 1``): the model's prediction for each
@@ -14,7 +16,8 @@ consuming at a GPU's rate.
    noise; each change costs the rebuild's seconds) for ``--minutes`` of pipeline time, ``--seeds`` times. Columns:
    the rate of the configuration in use at the end as a fraction of the grid oracle's (median over seeds), against
    the default ``r1 p1 t1 a1 q2``, and the pipeline time until the configuration in use first reached 0.95 of the
-   oracle.
+   oracle. ``--assemble-thread`` also evaluates the pipeline with assemble in the training process's threads
+   (as it was before issue #24).
 
     PYTHONPATH=. python bench/bench_pipeline_scale.py --calibrate /tmp/s11/criteo/day_0.tsv
     PYTHONPATH=. python bench/bench_pipeline_scale.py --measured runs/bench_pipeline_oracle/results_x1.json
