@@ -26,7 +26,9 @@ def stage_methods(config: PipelineConfig, methods: dict[str, Method] | None = No
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """Workers per stage (0: the stage runs inline in the thread that pulls from it) and prefetch depth in batches."""
+    """Workers per stage and prefetch depth in batches. A stage with 0 workers runs inline where it is pulled: in
+    the thread that pulls from it, or, when assemble has worker processes (:func:`chained`), in the processes of
+    the next stage that has workers."""
 
     read: int = 1
     parse: int = 1
