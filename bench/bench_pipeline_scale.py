@@ -84,8 +84,9 @@ def _loader_run(path: Path, config: PipelineConfig, batch: int, batches: int, me
             "uss": uss, "batch_bytes": s1.batch_bytes, "worker_cpu": wcpu / n}
 
 
-def _trainer_run(path: Path, batch: int, seconds: float) -> dict:
-    """The demo DLRM at 1 rank on all-inline batches: wall and CPU per step, and the rate of 2-second windows."""
+def _trainer_run(path: Path, batch: int, seconds: float, pipeline: dict | None = None) -> dict:
+    """The demo DLRM at 1 rank on all-inline batches (or ``pipeline``): wall and CPU per step, and the rate of
+    2-second windows."""
     import warnings
 
     import lightning.pytorch as pl
@@ -118,7 +119,7 @@ def _trainer_run(path: Path, batch: int, seconds: float) -> dict:
                     trainer.should_stop = True
 
     data = DLRMDataModule(SIZES, global_batch_size=batch, val_batches=0, criteo_paths=[str(path)],
-                          pipeline={"read": 0, "parse": 0, "transform": 0, "assemble": 0, "prefetch": 0})
+                          pipeline=pipeline or {"read": 0, "parse": 0, "transform": 0, "assemble": 0, "prefetch": 0})
     model = DLRMModule(SIZES, embedding_dim=16, dense_arch_layer_sizes=[64, 16], over_arch_layer_sizes=[64, 32, 1])
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=10**6, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -256,6 +257,36 @@ def evaluate(cal: Calibration, cores: int, minutes: float, seeds: int, memory_gb
     return rows
 
 
+def train_default(args) -> None:
+    """The 2-core question of assemble in processes: the default pipeline feeding the demo DLRM, assemble in worker
+    processes (4 processes) against in the training process's threads (2 processes, 2 threads)."""
+    import subprocess
+
+    if args.one:  # one fit, in a process of its own
+        from lightning_dlrover.data.staged import config
+
+        config.DEFAULT_METHODS["assemble"] = args.one
+        out = _trainer_run(args.train_default, args.batch, 20.0, {"read": 1, "parse": 1, "transform": 1,
+                                                                    "assemble": 1, "prefetch": 2})
+        print("RESULT", json.dumps({"samples_per_s": args.batch / out["wall_per_step"],
+                                    "cpu_per_step": out["cpu_per_step"]}), flush=True)
+        return
+    got: dict[str, list[float]] = {"process": [], "thread": []}
+    for r in range(args.rounds):
+        for method in ("process", "thread") if r % 2 == 0 else ("thread", "process"):
+            proc = subprocess.run([sys.executable, __file__, "--train-default", str(args.train_default), "--one", method,
+                                   "--batch", str(args.batch)], capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"the {method} fit failed:\n{proc.stderr[-3000:]}")
+            got[method].append(json.loads(line[7:])["samples_per_s"])
+            print(f"round {r} assemble in {method}{'es' if method == 'process' else 's'}: {got[method][-1]:.0f} samples/s (load "
+                  f"{os.getloadavg()[0]:.1f})", flush=True)
+    print(table(["assemble in", "mean samples/s", "each round"], [
+        [m, f"{statistics.mean(v):.0f}", " / ".join(f"{x:.0f}" for x in v)] for m, v in got.items()]))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calibrate", type=Path, help="a Criteo TSV file: measure this machine first")
@@ -275,7 +306,15 @@ def main(argv=None) -> None:
                    help="cores the demo DLRM's step keeps busy on 2 cores (its wall step: its CPU / this)")
     p.add_argument("--noise", type=float, help="window-to-window noise of the rate (default: the calibrated one)")
     p.add_argument("--memory-gb", type=float, default=16.0, help="the pipeline's memory budget")
+    p.add_argument("--train-default", type=Path, metavar="TSV",
+                   help="only train the demo DLRM at 1 rank under the default pipeline, assemble in worker processes "
+                        "and in threads, interleaved (--rounds), and print samples/s")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--one", choices=["process", "thread"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.train_default:
+        train_default(args)
+        return
     args.calibration.parent.mkdir(parents=True, exist_ok=True)
     if args.calibrate:
         cal = calibrate(args.calibrate, args.batch, args.calibration, args.reference, args.trainer_cores)
