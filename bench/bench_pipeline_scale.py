@@ -7,8 +7,8 @@ consuming at a GPU's rate.
    seconds (load-proof): each stage's CPU per batch inline, the main process's extra CPU per batch of a stage in
    worker processes, with assemble in worker processes (the chain) the main process's CPU per batch (plan and
    receive: the model's ``ipc_s["assemble"]``) and a hop between worker processes, the training process's CPU
-   per batch under the default with assemble in threads and in processes, a worker process's memory, the demo DLRM's CPU per step (1 rank, all inline) and the noise
-   of 2-second windows of its rate; the trainer's wall step is its CPU over ``--trainer-cores`` (or from a quiet
+   per batch under the default with assemble in threads and in processes, a worker process's memory, the demo
+   DLRM's CPU per step (1 rank, all inline) and the noise of 2-second windows of its rate; the trainer's wall step is its CPU over ``--trainer-cores`` (or from a quiet
    measured all-inline rate, ``--reference``). Writes ``calibration.json``.
 2. ``--measured results_x1.json`` (of ``bench/bench_pipeline_oracle.py --ranks 1``): the model's prediction for each
    fixed 2-core setting against the measured mean (the check: each row within 15%).
@@ -274,15 +274,17 @@ def train_default(args) -> None:
     got: dict[str, list[float]] = {"process": [], "thread": []}
     for r in range(args.rounds):
         for method in ("process", "thread") if r % 2 == 0 else ("thread", "process"):
-            proc = subprocess.run([sys.executable, __file__, "--train-default", str(args.train_default), "--one", method,
-                                   "--batch", str(args.batch)], capture_output=True, text=True,
+            cmd = [sys.executable, __file__, "--train-default", str(args.train_default), "--one", method,
+                   "--batch", str(args.batch)]
+            proc = subprocess.run(cmd, capture_output=True, text=True,
                                   env={**os.environ, "PYTHONPATH": str(REPO)})
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 sys.exit(f"the {method} fit failed:\n{proc.stderr[-3000:]}")
             got[method].append(json.loads(line[7:])["samples_per_s"])
-            print(f"round {r} assemble in {method}{'es' if method == 'process' else 's'}: {got[method][-1]:.0f} samples/s (load "
-                  f"{os.getloadavg()[0]:.1f})", flush=True)
+            where = "worker processes" if method == "process" else "threads"
+            print(f"round {r} assemble in {where}: {got[method][-1]:.0f} samples/s (load {os.getloadavg()[0]:.1f})",
+                  flush=True)
     print(table(["assemble in", "mean samples/s", "each round"], [
         [m, f"{statistics.mean(v):.0f}", " / ".join(f"{x:.0f}" for x in v)] for m, v in got.items()]))
 

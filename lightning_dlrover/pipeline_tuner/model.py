@@ -77,7 +77,8 @@ class PipelineModel:
 
     def _chain_parts(self, c: PipelineConfig) -> dict:
         """Assemble in processes (the product's chain): each stage with workers runs its own and the stages before
-        it that have none, and sends its batch on (``hop_s``); the trainer plans and receives (``ipc_s["assemble"]``)."""
+        it that have none, and sends its batch on (``ipc_s["hop"]``); the trainer plans and receives
+        (``ipc_s["assemble"]``)."""
         cal, received = self.cal, self.cal.ipc_s.get("assemble", 0.0)
         hop = cal.ipc_s.get("hop", 2 * received)
         segment, pending = {}, 0.0

@@ -8,7 +8,8 @@ from typing import Literal
 
 STAGES = ("read", "parse", "transform", "assemble")
 Method = Literal["thread", "process"]
-DEFAULT_METHODS: dict[str, Method] = {"read": "thread", "parse": "process", "transform": "process", "assemble": "process"}
+DEFAULT_METHODS: dict[str, Method] = {"read": "thread", "parse": "process", "transform": "process",
+                                      "assemble": "process"}
 
 
 def chained(config: PipelineConfig, methods: dict[str, Method] | None = None) -> bool:
