@@ -118,8 +118,10 @@ class ProcessChain(BaseNode[Delivered]):
             if self._next >= self._fed:
                 raise StopIteration
             try:
-                seq, item = self._out_q.get(timeout=1.0)
+                seq, item = self._out_q.get(timeout=_POLL_S)
             except queue.Empty:
+                if self._mp_stop.is_set():  # being shut down (e.g. from another thread than this prefetching one)
+                    raise StopIteration from None
                 dead = [p for p in self._workers if not p.is_alive()]
                 if dead:
                     p = dead[0]
