@@ -308,6 +308,8 @@ def main(argv=None) -> None:
                    help="cores the demo DLRM's step keeps busy on 2 cores (its wall step: its CPU / this)")
     p.add_argument("--noise", type=float, help="window-to-window noise of the rate (default: the calibrated one)")
     p.add_argument("--memory-gb", type=float, default=16.0, help="the pipeline's memory budget")
+    p.add_argument("--reset-s", type=float, help="seconds of a rebuild, on top of 0.05 s per worker (default: "
+                   "the calibration's 0.3; assemble in processes measured ~1 s in all on 2 loaded cores)")
     p.add_argument("--train-default", type=Path, metavar="TSV",
                    help="only train the demo DLRM at 1 rank under the default pipeline, assemble in worker processes "
                         "and in threads, interleaved (--rounds), and print samples/s")
@@ -324,6 +326,8 @@ def main(argv=None) -> None:
     cal = load(args.calibration)
     if args.noise is not None:  # e.g. a quiet machine's window noise instead of the one measured
         cal = Calibration(**{**cal.__dict__, "noise": args.noise})
+    if args.reset_s is not None:
+        cal = Calibration(**{**cal.__dict__, "reset_s": args.reset_s})
     if "assemble" not in cal.ipc_s:
         sys.exit(f"{args.calibration} predates assemble in processes (no ipc_s.assemble): re-run --calibrate.")
     print("stage seconds per batch: " + ", ".join(f"{s} {cal.service_s[s] * 1e3:.1f} ms" for s in STAGES)
