@@ -15,6 +15,11 @@ The model, per batch (``X`` batches per second):
   ``gil`` of the thread stages' work (a thread holds the trainer's interpreter lock part of the time):
   ``X <= speed / serial``.
 - **Each staffed stage** delivers at most ``workers / (service + ipc)`` batches per second, at ``speed``.
+- **Assemble in worker processes** (the product's chain, :func:`~lightning_dlrover.data.staged.config.chained`):
+  every staffed stage runs in processes together with the unstaffed stages before it and hands its batch to the
+  next process (``ipc_s["hop"]``, default twice the receive); the consumer's chain is the step and the receive of
+  assembled batches (``ipc_s["assemble"]``: the training process's measured CPU per batch), the receive moving
+  to the prefetch thread (``gil`` of it serial) when there is a prefetch.
 - **CPU contention**: the threads and processes share ``cores`` (processor sharing). The demand is
   ``X x (step_s x step_cores + all stage work + ipc)`` cores and cannot exceed the cores; the serial chain and
   the stages run at ``speed = cores / demand`` of their own pace when the demand would exceed them; each
@@ -32,6 +37,7 @@ import random
 from dataclasses import dataclass, field
 
 from lightning_dlrover.data.staged import DEFAULT_METHODS, STAGES, PipelineConfig
+from lightning_dlrover.data.staged.config import chained, stage_methods
 from lightning_dlrover.pipeline_tuner.observe import Observation
 
 
@@ -67,15 +73,34 @@ class PipelineModel:
         self._cache: dict[PipelineConfig, dict] = {}
 
     def _process(self, stage: str, config: PipelineConfig) -> bool:
-        return config.workers[stage] > 0 and self.cal.methods[stage] == "process"
+        return config.workers[stage] > 0 and stage_methods(config, self.cal.methods)[stage] == "process"
+
+    def _chain_parts(self, c: PipelineConfig) -> dict:
+        """Assemble in processes (the product's chain): each stage with workers runs its own and the stages before
+        it that have none, and sends its batch on (``ipc_s["hop"]``); the trainer plans and receives
+        (``ipc_s["assemble"]``)."""
+        cal, received = self.cal, self.cal.ipc_s.get("assemble", 0.0)
+        hop = cal.ipc_s.get("hop", 2 * received)
+        segment, pending = {}, 0.0
+        for s in STAGES:
+            pending += cal.service_s[s]
+            if c.workers[s] > 0:
+                segment[s], pending = pending + hop, 0.0
+        threads = received if c.prefetch > 0 else 0.0  # the prefetch thread receives
+        serial = cal.step_s + (received if c.prefetch == 0 else 0.0) + cal.gil * threads
+        work = cal.step_s * cal.step_cores + sum(cal.service_s.values()) + received + hop * len(segment)
+        stage_bound = min(c.workers[s] / cost for s, cost in segment.items())
+        return {"serial": serial, "work": work, "stage_bound": stage_bound, "inline": 0.0, "threads": threads,
+                "segment": segment}
 
     def _parts(self, c: PipelineConfig) -> dict:
         cal = self.cal
+        runnable = 1 + sum(w for s, w in c.workers.items() if self._process(s, c))
+        efficiency = 1.0 / (1.0 + cal.switch * max(0, runnable - self.cores))
+        if chained(c, cal.methods):
+            return {**self._chain_parts(c), "efficiency": efficiency}
         ipc = {s: cal.ipc_s.get(s, 0.0) if self._process(s, c) else 0.0 for s in STAGES}
-        if self._process("assemble", c):  # the training process receives finished batches only (what-if)
-            received = cal.ipc_s.get("assemble", 0.0)
-        else:  # it receives what every process stage sends (measured: the main process's extra CPU)
-            received = sum(ipc.values())
+        received = sum(ipc.values())  # it receives what every process stage sends (measured: its extra CPU)
         inline = sum(cal.service_s[s] for s in STAGES if c.workers[s] == 0)
         threads = sum(cal.service_s[s] for s in STAGES if c.workers[s] > 0 and not self._process(s, c))
         if c.prefetch > 0:  # the inline stages run in the prefetch thread
@@ -84,10 +109,8 @@ class PipelineModel:
         work = cal.step_s * cal.step_cores + sum(cal.service_s.values()) + 2 * sum(ipc.values())
         stage_bound = min((c.workers[s] / (cal.service_s[s] + ipc[s]) for s in STAGES if c.workers[s] > 0),
                           default=float("inf"))
-        runnable = 1 + sum(w for s, w in c.workers.items() if self._process(s, c))
-        efficiency = 1.0 / (1.0 + cal.switch * max(0, runnable - self.cores))
         return {"serial": serial, "work": work, "stage_bound": stage_bound, "efficiency": efficiency,
-                "inline": inline, "threads": threads}
+                "inline": inline, "threads": threads, "segment": {}}
 
     def rate(self, c: PipelineConfig) -> float:
         """Batches per second delivered to (and trained by) the trainer."""
@@ -123,8 +146,9 @@ class PipelineModel:
         x = self.rate(c)
         p = self._cache[c]
         noisy = x * max(0.1, 1.0 + self.rng.gauss(0.0, self.cal.noise))
-        util = {s: min(1.0, x * (self.cal.service_s[s] + (self.cal.ipc_s.get(s, 0.0) if self._process(s, c) else 0))
-                       / max(c.workers[s], 1)) for s in STAGES}
+        cost = {s: p["segment"].get(s, self.cal.service_s[s] + (self.cal.ipc_s.get(s, 0.0)
+                                                                  if self._process(s, c) else 0)) for s in STAGES}
+        util = {s: min(1.0, x * cost[s] / max(c.workers[s], 1)) for s in STAGES}
         consumer = self.cal.step_s + (p["inline"] if c.prefetch == 0 else 0.0)
         wait = max(0.0, 1.0 - x * consumer)
         workers = [self.cal.worker_bytes] * sum(w for s, w in c.workers.items() if self._process(s, c))

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from lightning_dlrover.data.staged import DEFAULT_METHODS, STAGES, PipelineConfig, PipelinedLoader, PipelineStats
+from lightning_dlrover.data.staged import STAGES, PipelineConfig, PipelinedLoader, PipelineStats
+from lightning_dlrover.data.staged.config import stage_methods
 
 #: Memory of one stage worker process assumed before any has been measured.
 PRIOR_WORKER_BYTES = 96 << 20
@@ -84,8 +85,9 @@ class Observation:
 
 
 def process_workers(config: PipelineConfig, methods: dict[str, str] | None = None) -> int:
-    """Worker processes of ``config`` (stages run as processes with at least one worker)."""
-    methods = {**DEFAULT_METHODS, **(methods or {})}
+    """Worker processes of ``config`` (stages run as processes with at least one worker; with assemble in
+    processes, every stage with workers)."""
+    methods = stage_methods(config, methods)  # type: ignore[arg-type]
     return sum(w for s, w in config.workers.items() if methods[s] == "process")
 
 

@@ -97,8 +97,11 @@ def test_no_worker_process_outlives_the_loader(days):
     loader = PipelinedLoader(CriteoTSV(days, SIZES), 0, 1, 300, PipelineConfig(1, 3, 2, 1, 2))
     it = iter(loader)
     next(it)
-    assert len(loader.worker_pids()) == 5
+    assert len(loader.worker_pids()) == 7  # assemble in processes: every stage with workers runs in processes
     loader.reconfigure(PipelineConfig(1, 1, 1, 1, 1))
+    next(it)
+    assert len(loader.worker_pids()) == 4
+    loader.reconfigure(PipelineConfig(1, 1, 1, 0, 1))  # assemble inline: processes for parse and transform only
     next(it)
     assert len(loader.worker_pids()) == 2
     it.close()

@@ -30,3 +30,16 @@ def test_autotune_gives_the_budget_to_the_costliest_stages_and_stops():
         config = decision.config or config
     assert tuner.done and config.total_workers == 15
     assert config.parse == max(config.workers.values()) and config.parse >= 3 * config.transform >= 3
+
+
+def test_assemble_in_processes_leaves_the_trainer_only_the_receive():
+    """The product's chain (#24): with assemble in processes the consumer's serial chain is the step and the
+    receive of assembled batches, and the stages before the first staffed one run in its processes."""
+    cal = Calibration(**{**CAL.__dict__, "ipc_s": {"parse": 0.02, "transform": 0.01, "assemble": 0.001, "hop": 0.002}})
+    model = PipelineModel(cal, cores=64)
+    # all fused into 8 assemble processes: each batch costs them every stage plus one send
+    assert abs(model.rate(PipelineConfig(0, 0, 0, 8, 0)) - 8 / (0.053 + 0.002)) < 1e-2
+    # enough workers: the trainer's step and its receive are the cap, not the process stages' 30 ms of IPC
+    assert abs(model.rate(PipelineConfig(0, 8, 3, 2, 0)) - 1 / (0.005 + 0.001)) < 1e-2
+    threads = PipelineModel(Calibration(**{**cal.__dict__, "methods": {**cal.methods, "assemble": "thread"}}), 64)
+    assert threads.rate(PipelineConfig(0, 8, 3, 2, 0)) < 1 / (0.005 + 0.03) + 1e-6

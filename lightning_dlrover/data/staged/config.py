@@ -8,12 +8,28 @@ from typing import Literal
 
 STAGES = ("read", "parse", "transform", "assemble")
 Method = Literal["thread", "process"]
-DEFAULT_METHODS: dict[str, Method] = {"read": "thread", "parse": "process", "transform": "process", "assemble": "thread"}
+DEFAULT_METHODS: dict[str, Method] = {"read": "thread", "parse": "process", "transform": "process",
+                                      "assemble": "process"}
+
+
+def chained(config: PipelineConfig, methods: dict[str, Method] | None = None) -> bool:
+    """Whether ``config`` runs as a chain of worker processes: assemble has workers and they are processes. Then
+    every stage with workers runs in processes of its own that pass work to each other, a stage without workers
+    runs in the processes of the next stage that has some, and the training process only receives batches."""
+    return config.assemble > 0 and {**DEFAULT_METHODS, **(methods or {})}["assemble"] == "process"
+
+
+def stage_methods(config: PipelineConfig, methods: dict[str, Method] | None = None) -> dict[str, Method]:
+    """How each stage of ``config`` runs: its method, or ``"process"`` for every stage of a :func:`chained` one."""
+    merged = {**DEFAULT_METHODS, **(methods or {})}
+    return {s: "process" for s in STAGES} if chained(config, merged) else merged
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """Workers per stage (0: the stage runs inline in the thread that pulls from it) and prefetch depth in batches."""
+    """Workers per stage and prefetch depth in batches. A stage with 0 workers runs inline where it is pulled: in
+    the thread that pulls from it, or, when assemble has worker processes (:func:`chained`), in the processes of
+    the next stage that has workers."""
 
     read: int = 1
     parse: int = 1

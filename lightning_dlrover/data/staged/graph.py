@@ -17,9 +17,10 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode, ParallelMapper, Prefetcher
 from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_dlrover.data.sources import CriteoTSV, make_batch, rank_slice
-from lightning_dlrover.data.staged.config import DEFAULT_METHODS, STAGES, Method, PipelineConfig
+from lightning_dlrover.data.sources import SPARSE_NAMES, CriteoTSV, rank_slice
+from lightning_dlrover.data.staged.config import DEFAULT_METHODS, STAGES, Method, PipelineConfig, chained
 from lightning_dlrover.data.tsv_parse import MalformedLine, OnError, RawRows, UserTransform, parse_block, transform
 
 
@@ -150,21 +151,62 @@ def _transform(num_embeddings: Sequence[int], user_transforms: Sequence[UserTran
     return chunk
 
 
-def _assemble(chunks: list[_Chunk]) -> Delivered:
+@dataclass
+class _Assembled:
+    """An assembled batch as numpy arrays and the ``KeyedJaggedTensor``'s per-key sums: what an assemble worker
+    process sends (pickled arrays through the pipe cost the receiving process less than shared-memory tensors at
+    these sizes: ``bench/README.md``), turned into the ``Batch`` by :meth:`delivered` without a tensor operation."""
+
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None  # dense, values (key-major), lengths, labels
+    keys: list[str]
+    length_per_key: list[int]
+    batch_start: int
+    batch_size: int
+    busy: dict[str, float]
+    skipped: list[tuple[str, int, str]]
+    error: tuple[str, int, str, bytes] | None = None
+
+    def delivered(self) -> Delivered:
+        if self.error is not None:
+            return Delivered(None, self.batch_start, self.batch_size, {}, [], 0, self.error)  # type: ignore[arg-type]
+        dense, values, lengths, labels = (torch.from_numpy(a) for a in self.arrays)
+        offsets = [0]
+        for n in self.length_per_key:
+            offsets.append(offsets[-1] + n)
+        # What KeyedJaggedTensor.from_lengths_sync (make_batch) builds, the sums computed by the assembler.
+        rows = len(labels)
+        kjt = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths, stride=rows,
+                                stride_per_key=[rows] * len(self.keys), length_per_key=self.length_per_key,
+                                offset_per_key=offsets)
+        nbytes = dense.nbytes + values.nbytes + labels.nbytes
+        return Delivered(Batch(dense_features=dense, sparse_features=kjt, labels=labels), self.batch_start,
+                         self.batch_size, self.busy, self.skipped, nbytes)
+
+
+def _pack(chunks: list[_Chunk]) -> _Assembled:
+    """Assembles one rank's batch from its chunks in numpy (the work of the assemble stage)."""
+    first = chunks[0]
+    skipped = [s for c in chunks for s in c.skipped]
     error = next((c.error for c in chunks if c.error is not None), None)
     if error is not None:
-        return Delivered(None, chunks[0].batch_start, chunks[0].batch_size, {}, [], 0, error)  # type: ignore[arg-type]
+        return _Assembled(None, [], [], first.batch_start, first.batch_size, {}, skipped, error)
     t0 = time.perf_counter()
     if len(chunks) == 1:
-        dense, ids, labels = (torch.from_numpy(a) for a in chunks[0].payload)
+        dense, ids, labels = first.payload
     else:
-        dense, ids, labels = (torch.from_numpy(np.concatenate(parts)) for parts in zip(*(c.payload for c in chunks)))
-    batch = make_batch(dense, ids, labels)
+        dense, ids, labels = (np.concatenate(parts) for parts in zip(*(c.payload for c in chunks)))
+    rows, num_sparse = ids.shape
+    values = np.ascontiguousarray(ids.T).reshape(-1)
+    lengths = np.ones(num_sparse * rows, dtype=np.int32)
+    length_per_key = lengths.reshape(num_sparse, rows).sum(axis=1).tolist()
     busy = {s: sum(c.busy.get(s, 0.0) for c in chunks) for s in STAGES}
     busy["assemble"] = time.perf_counter() - t0
-    nbytes = dense.nbytes + ids.nbytes + labels.nbytes
-    return Delivered(batch, chunks[0].batch_start, chunks[0].batch_size, busy,
-                     [s for c in chunks for s in c.skipped], nbytes)
+    return _Assembled((np.ascontiguousarray(dense), values, lengths, np.ascontiguousarray(labels)),
+                      SPARSE_NAMES[:num_sparse], length_per_key, first.batch_start, first.batch_size, busy, skipped)
+
+
+def _assemble(chunks: list[_Chunk]) -> Delivered:
+    return _pack(chunks).delivered()
 
 
 def _bind(fn: Any, *args: Any) -> Any:
@@ -262,16 +304,23 @@ def shutdown_nodes(node: Any, wait_s: float = 2.0) -> None:
 def build_graph(source: CriteoTSV, rank: int, world_size: int, batch_size: int, start: int, config: PipelineConfig,
                 chunk_rows: int, on_error: OnError = "raise", user_transforms: Sequence[UserTransform] = (),
                 methods: dict[str, Method] | None = None) -> BaseNode[Delivered]:
-    """The node graph that delivers this rank's batches from sample ``start`` on, under ``config``."""
+    """The node graph that delivers this rank's batches from sample ``start`` on, under ``config``: a
+    ``ParallelMapper`` per stage, or, when assemble has workers in processes, a
+    :class:`~lightning_dlrover.data.staged.chain.ProcessChain`; then a ``Prefetcher`` if ``config.prefetch``."""
     methods = {**DEFAULT_METHODS, **(methods or {})}
     node: BaseNode = _Plan(source, rank, world_size, batch_size, start, chunk_rows)
     fns = {"read": _read, "parse": _bind(_parse, on_error),
            "transform": _bind(_transform, list(source.num_embeddings), list(user_transforms))}
-    for stage in ("read", "parse", "transform"):
-        node = ParallelMapper(node, fns[stage], num_workers=getattr(config, stage), in_order=True,
-                              method=methods[stage])
-    node = ParallelMapper(_Group(node), _assemble, num_workers=config.assemble, in_order=True,
-                          method=methods["assemble"])
+    if chained(config, methods):  # worker processes pass batches to each other; this process only receives
+        from lightning_dlrover.data.staged.chain import ProcessChain
+
+        node = ProcessChain(_Group(node), config, fns)
+    else:
+        for stage in ("read", "parse", "transform"):
+            node = ParallelMapper(node, fns[stage], num_workers=getattr(config, stage), in_order=True,
+                                  method=methods[stage])
+        node = ParallelMapper(_Group(node), _assemble, num_workers=config.assemble, in_order=True,
+                              method=methods["assemble"])
     if config.prefetch > 0:
         node = Prefetcher(node, prefetch_factor=config.prefetch)
     return node

@@ -10,9 +10,13 @@ upcoming global batches, split into chunks, and every stage keeps order. Its pos
 ``next_sample``; a change of parallelism (:meth:`PipelinedLoader.reconfigure`) or of the global batch size
 rebuilds the stages at the current position, so nothing is lost or repeated.
 
-Each stage is a ``ParallelMapper`` with its own worker count (0: run inline in the puller) and method:
-processes for parse and transform (the GIL would serialise them), threads for read and assemble. Queues are
-bounded (each stage holds at most ``2 x workers`` items in flight; the prefetcher ``prefetch`` batches).
+With assemble workers in processes (the default method), the stages run as a chain of worker processes
+(:mod:`~lightning_dlrover.data.staged.chain`): each stage with workers in processes of its own, handing whole
+batches to the next, a stage without workers in the processes of the next one that has some; this process plans
+and receives assembled batches only. Otherwise each stage is a ``ParallelMapper`` with its own worker count (0:
+run inline in the puller) and method: processes for parse and transform (the GIL would serialise them), threads
+for read and assemble, every batch passing through this process between stages. Queues are bounded (each stage,
+or the chain, holds at most ``2 x workers`` items in flight; the prefetcher ``prefetch`` batches).
 
 The configuration is in :mod:`~lightning_dlrover.data.staged.config`, the node graph (stages, build, shutdown) in
 :mod:`~lightning_dlrover.data.staged.graph`; this module is the loader over it. Their public names are importable
@@ -75,7 +79,8 @@ class PipelinedLoader(ResumableLoader):
             ``data_skipped`` event and a warning per file with the count.
         user_transforms: functions ``(dense, ids, labels) -> (dense, ids, labels)`` applied after the built-in
             transform (must be picklable by reference, e.g. module-level functions, for process workers).
-        methods: per-stage ``"thread"`` or ``"process"`` (default: processes for parse and transform).
+        methods: per-stage ``"thread"`` or ``"process"`` (default: processes for parse, transform and assemble;
+            assemble in processes makes every staffed stage a process of the chain, see above).
     """
 
     def __init__(self, source: CriteoTSV, rank: int, world_size: int, global_batch_size: int,
