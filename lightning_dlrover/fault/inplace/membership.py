@@ -156,6 +156,7 @@ def register_spare(store: Store, launch: int) -> int:
 def wait_for_assignment(store: Store, launch: int, index: int) -> Assignment:
     """Blocks until spare ``index`` of launch ``launch`` is handed a rank (as long as the job runs)."""
     key = PREFIX + f"{launch}/assign/{index}"
+    store.add(PREFIX + f"{launch}/spares_waiting", 1)
     while True:  # blocked in the store's socket: a waiting spare uses no CPU (each timeout logs one line in C++)
         try:
             store.wait([key], timedelta(seconds=600))
@@ -163,6 +164,11 @@ def wait_for_assignment(store: Store, launch: int, index: int) -> Assignment:
         except Exception:  # noqa: BLE001 - the store's timeout: keep waiting, the job may run for days
             continue
     return Assignment(**json.loads(store.get(key)))
+
+
+def spares_waiting(store: Store, launch: int) -> int:
+    """How many spares of launch ``launch`` ever reached their wait for a rank (imported, set up: hot)."""
+    return int(store.add(PREFIX + f"{launch}/spares_waiting", 0))
 
 
 def publish_committed(store: Store, launch: int, generation: int, step: int) -> None:
