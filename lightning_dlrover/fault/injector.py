@@ -216,12 +216,12 @@ class FaultInjector(pl.Callback):
         """The fault point: kills this process if it is global rank ``rank`` at ``phase`` of training step ``step``."""
         if phase != self.phase or step != self.step or getattr(self._strategy, "recovered", False) or restart_count():
             return  # a restarted worker (same environment) replays the step instead of dying again
+        if os.environ.get(WAIT_FOR_SPARES_ENV) == "1":  # every rank, so that none waits in a collective meanwhile
+            self._wait_for_a_hot_spare()
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if self.target == "rank" and rank not in self.ranks:
             return
         pid = os.getpid()
-        if os.environ.get(WAIT_FOR_SPARES_ENV) == "1":
-            self._wait_for_a_hot_spare()
         self._meet_the_others(rank)
         sys.stdout.flush()
         sys.stderr.flush()

@@ -52,10 +52,6 @@ from lightning_dlrover.monitor.events import emit
 log = get_logger(__name__)
 
 
-#: PyTorch's switch for transparent huge pages in its CPU allocator (``madvise``; the kernel's default mode).
-THP_ENV = "THP_MEM_ALLOC_ENABLE"
-
-
 @dataclass(frozen=True)
 class SupervisorConfig:
     """What a machine's supervisor is told (``lightning-dlrover launch``'s options)."""
@@ -118,10 +114,6 @@ class Supervisor:
         )  # fmt: skip
         if spare is not None:
             env[membership.SPARE_ENV] = str(spare)
-        # transparent huge pages for PyTorch's large CPU allocations (>= 2 MiB): a replacement's tables and the bytes it
-        # receives fault in 2 MiB at a time, not 4 KiB (measured: 160 MiB written into fresh memory in 0.04-0.08 s, not
-        # 0.23-0.33 s; bench/README.md, in-process recovery)
-        env.setdefault(THP_ENV, "1")
         if "OMP_NUM_THREADS" not in os.environ and a.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
             env["OMP_NUM_THREADS"] = "1"
         return env
