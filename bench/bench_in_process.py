@@ -143,12 +143,13 @@ def main() -> None:
     parser.add_argument("--after-steps", type=int, default=6)
     parser.add_argument("--methods", nargs="+", default=["in-process hot", "in-process cold", "parity restart", "dcp"])
     parser.add_argument("--base-rows", type=int, default=1_000,
-                        help="rows per table of the drill whose total is the part that does not grow with the state")
+                        help="rows per table of the drill whose total is the part that does not grow with the state "
+                        "(0: none, no 'state part')")
     args = parser.parse_args()
     table = []
     with tempfile.TemporaryDirectory(prefix="bench_in_process_") as tmp:
         base = None
-        if any(m.startswith("in-process") for m in args.methods):
+        if args.base_rows and any(m.startswith("in-process") for m in args.methods):
             base = in_process(args.base_rows, args, Path(tmp), spares=1)
             print(f"{args.base_rows} rows (base), in-process hot: {base}", flush=True)
         for rows in args.rows:
@@ -177,8 +178,7 @@ def main() -> None:
                   f"{r['decode']:>7.3f} {r['restore']:>8.2f} {r['first_step']:>9.2f} {r['total']:>7.2f} {ratio:>6.1f}")
     print("restart rows: 'replace' is the restart (workers exit, re-rendezvous, import, build); 'decode' and 'restore' "
           "the restore (decode + re-shard for parity, the checkpoint load for dcp).")
-    if base is None:
-        return
+    base = base or {"total": float("nan")}
     print(f"\nThe floor beside each size: the bytes the replacement receives (its coded state and parity share) sent "
           f"over loopback gloo into fresh memory ('send') and copied in memory ('copy'). 'state part' is the in-process "
           f"hot total less the total at {args.base_rows} rows ({base['total']:.2f} s).")
