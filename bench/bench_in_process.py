@@ -8,20 +8,32 @@ Same job as ``bench/bench_recovery.py`` (the chaos config with 26 tables of ``--
 - ``dcp``, ``parity restart``: ``bench_recovery.measure`` in the same run (2 ``torchrun`` agents x 2 ranks, node
   0 killed, every worker restarted; a checkpoint at the kill step for ``dcp``, spills for ``parity``).
 
+The kill waits until the hot spare is hot (imported, waiting for a rank: ``LIGHTNING_DLROVER_FAULT_WAITS_FOR_SPARES``);
+on a busy machine an idle-priority spare may otherwise still be importing at the kill, and the drill would time that.
+
 Times (seconds, from the jobs' own events): ``detect`` kill to the first survivor's failed collective;
 ``replacement`` from there until the replacement reached its fit loop (it imported, set up and sharded its
 model); ``decode`` decode + re-shard; ``restore`` until every rank restored the committed step; ``1st step``
 until the first step after it was committed; ``total`` kill to that commit. ``x dcp`` is dcp's total over the
 method's.
 
+The floor, measured in the same run for each size (two processes, gloo on 127.0.0.1): the
+bytes the replacement receives (the lost rank's coded embedding state and its parity share, from the job's own
+report) sent and received into fresh memory (``send``), and copied in memory into fresh memory (``copy``). ``state
+part`` is the in-process total less the same drill's total at ``--base-rows`` (the part that does not grow with the
+state); ``/ floor`` is it over ``send``.
+
     PYTHONPATH=. python bench/bench_in_process.py                # 20k rows per table (127 MiB), ~4 min
     PYTHONPATH=. python bench/bench_in_process.py --rows 100000  # 635 MiB
+    PYTHONPATH=. python bench/bench_in_process.py --rows 20000 100000 300000 --methods "in-process hot" dcp
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -32,7 +44,37 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_recovery  # noqa: E402
 
+from lightning_dlrover.fault.points import WAIT_FOR_SPARES_ENV  # noqa: E402
 from lightning_dlrover.monitor.events import read_events  # noqa: E402
+
+_CODED = re.compile(r"rank 0 codes ([\d.]+) MiB of embedding state and holds ([\d.]+) MiB of parity")
+
+FLOOR_WORKER = """
+import json, sys, time, torch, torch.distributed as dist
+rank, port, nbytes, piece = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), 64 << 20
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+if rank == 1:
+    data = torch.full((nbytes,), 7, dtype=torch.uint8)  # the survivors' bytes, in memory
+    dist.barrier()
+    for lo in range(0, nbytes, piece):
+        dist.send(data[lo : lo + piece], 0)
+    dist.barrier()
+else:
+    dist.barrier()
+    started = time.perf_counter()
+    into = torch.empty(nbytes, dtype=torch.uint8)  # fresh memory, as a replacement's
+    for lo in range(0, nbytes, piece):
+        dist.recv(into[lo : lo + piece], 1)
+    send = time.perf_counter() - started
+    dist.barrier()
+    assert int(into[-1]) == 7
+    del into
+    source = torch.full((nbytes,), 7, dtype=torch.uint8)
+    started = time.perf_counter()
+    torch.empty(nbytes, dtype=torch.uint8).copy_(source)
+    print(json.dumps({"send": send, "copy": time.perf_counter() - started}))
+dist.destroy_process_group()
+"""
 
 
 def free_port() -> int:
@@ -47,7 +89,7 @@ def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int) 
     run_dir = workdir / f"inprocess-{spares}-{rows}"
     run_dir.mkdir()
     events_path = run_dir / "events.jsonl"
-    env = {**os.environ, "LIGHTNING_DLROVER_EVENTS": str(events_path),
+    env = {**os.environ, "LIGHTNING_DLROVER_EVENTS": str(events_path), WAIT_FOR_SPARES_ENV: "1" if spares else "0",
            "LIGHTNING_DLROVER_FAULT": f"rank=0,step={args.at_step},phase=before_forward"}
     command = [sys.executable, "-m", "lightning_dlrover", "launch", "--nproc-per-node", str(args.ranks),
                "--spares", str(spares), "--master", f"127.0.0.1:{free_port()}", "--", "-m", "lightning_dlrover", "fit",
@@ -64,7 +106,9 @@ def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int) 
     joiner = next(e for e in recovered if not e.fields["survivor"])
     failed = min(e.fields["failed_at"] for e in survivors)
     restored = max(e.fields["restored_at"] for e in recovered)
+    coded = _CODED.search((run_dir / "launch.log").read_text())
     return {
+        "lost_bytes": (float(coded[1]) + float(coded[2])) * 2**20 if coded else float("nan"),
         "detect": failed - kill,
         "replacement": joiner.fields["connected_at"] - failed,
         "decode": max(e.fields["decode_s"] + e.fields["reshard_s"] for e in recovered),
@@ -72,6 +116,16 @@ def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int) 
         "first_step": resumed - restored,
         "total": resumed - kill,
     }
+
+
+def floor(nbytes: int) -> dict[str, float]:
+    """``send``: ``nbytes`` sent over loopback gloo into fresh memory; ``copy``: copied in memory into fresh memory."""
+    port = str(free_port())
+    workers = [subprocess.Popen([sys.executable, "-c", FLOOR_WORKER, str(rank), port, str(nbytes)],
+                                stdout=subprocess.PIPE, text=True) for rank in (0, 1)]
+    out = workers[0].communicate(timeout=600)[0]
+    workers[1].wait(timeout=60)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def restart(rows: int, method: str, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
@@ -88,9 +142,16 @@ def main() -> None:
     parser.add_argument("--at-step", type=int, default=8)
     parser.add_argument("--after-steps", type=int, default=6)
     parser.add_argument("--methods", nargs="+", default=["in-process hot", "in-process cold", "parity restart", "dcp"])
+    parser.add_argument("--base-rows", type=int, default=1_000,
+                        help="rows per table of the drill whose total is the part that does not grow with the state "
+                        "(0: none, no 'state part')")
     args = parser.parse_args()
     table = []
     with tempfile.TemporaryDirectory(prefix="bench_in_process_") as tmp:
+        base = None
+        if args.base_rows and any(m.startswith("in-process") for m in args.methods):
+            base = in_process(args.base_rows, args, Path(tmp), spares=1)
+            print(f"{args.base_rows} rows (base), in-process hot: {base}", flush=True)
         for rows in args.rows:
             results = {}
             for method in args.methods:
@@ -99,20 +160,41 @@ def main() -> None:
                 else:
                     results[method] = restart(rows, "parity" if method == "parity restart" else method, args, Path(tmp))
                 print(f"{rows} rows, {method}: {results[method]}", flush=True)
-            table.append((rows, results))
+            hot = results.get("in-process hot")
+            bottom = floor(int(hot["lost_bytes"])) if hot is not None and hot["lost_bytes"] == hot["lost_bytes"] else None
+            print(f"{rows} rows, floor: {bottom}", flush=True)
+            table.append((rows, results, bottom))
     print(f"\nLost rank to first committed step after it. 26 tables x {args.dim} columns fp32, row-wise Adagrad, gloo "
-          "on CPU, 127.0.0.1. Seconds from the jobs' events.")
-    header = f"{'emb MiB':>8} {'method':<16} {'detect':>7} {'replace':>8} {'decode':>7} {'restore':>8} {'1st step':>9} {'total':>7} {'x dcp':>6}"
+          f"on CPU, 127.0.0.1, {args.ranks} ranks. Seconds from the jobs' events.")
+    header = (f"{'emb MiB':>8} {'method':<16} {'detect':>7} {'replace':>8} {'decode':>7} {'restore':>8} {'1st step':>9} "
+              f"{'total':>7} {'x dcp':>6}")
     print(header)
     print("-" * len(header))
-    for rows, results in table:
-        base = results.get("dcp")
+    for rows, results, _ in table:
+        dcp = results.get("dcp")
         for method, r in results.items():
-            ratio = base["total"] / r["total"] if base else float("nan")
+            ratio = dcp["total"] / r["total"] if dcp else float("nan")
             print(f"{26 * rows * args.dim * 4 / 2**20:>8.0f} {method:<16} {r['detect']:>7.2f} {r['replacement']:>8.2f} "
                   f"{r['decode']:>7.3f} {r['restore']:>8.2f} {r['first_step']:>9.2f} {r['total']:>7.2f} {ratio:>6.1f}")
     print("restart rows: 'replace' is the restart (workers exit, re-rendezvous, import, build); 'decode' and 'restore' "
           "the restore (decode + re-shard for parity, the checkpoint load for dcp).")
+    base = base or {"total": float("nan")}
+    print(f"\nThe floor beside each size: the bytes the replacement receives (its coded state and parity share) sent "
+          f"over loopback gloo into fresh memory ('send') and copied in memory ('copy'). 'state part' is the in-process "
+          f"hot total less the total at {args.base_rows} rows ({base['total']:.2f} s).")
+    header = (f"{'emb MiB':>8} {'lost MiB':>9} {'total':>7} {'state part':>11} {'send':>7} {'copy':>7} {'/ floor':>8} "
+              f"{'dcp':>7} {'x dcp':>6}")
+    print(header)
+    print("-" * len(header))
+    for rows, results, bottom in table:
+        hot, dcp = results.get("in-process hot"), results.get("dcp")
+        if hot is None or bottom is None:
+            continue
+        part = hot["total"] - base["total"]
+        dcp_total = dcp["total"] if dcp else float("nan")
+        print(f"{26 * rows * args.dim * 4 / 2**20:>8.0f} {hot['lost_bytes'] / 2**20:>9.0f} {hot['total']:>7.2f} "
+              f"{part:>11.2f} {bottom['send']:>7.2f} {bottom['copy']:>7.2f} {part / bottom['send']:>8.1f} "
+              f"{dcp_total:>7.2f} {dcp_total / hot['total']:>6.1f}")
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ def measure(rows: int, dim: int, method: str, args: argparse.Namespace, workdir:
     drill = chaos.parse_args(["--config", str(config), "--kill-node", "0", "--at-step", str(args.at_step),
                               "--replace", "--no-reference", "--workdir", str(workdir / f"{method}-{rows}")])
     started = time.time()
-    finished, events = chaos._faulted_run(drill)
+    run = chaos._faulted_run(drill)
+    finished, events = run.finished, run.events
     if not finished:
         sys.exit(f"{method} at {rows} rows did not finish; logs in {drill.workdir}")
     output = "".join(log.read_text() for log in sorted((drill.workdir / "faulted").glob("node*.log")))

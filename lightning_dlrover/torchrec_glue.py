@@ -15,6 +15,9 @@ API only) that the job signature, the sharding checks and the re-plan advice sha
   private ``_filter_sharding_types`` / ``_filter_compute_kernels``, which a subclass overrides to sort them.
 - :func:`skip_collective_validation_broadcast`: ``DistributedModelParallel``'s constructor broadcasts TorchRec's
   collective-validation flag once per process; only ``collective_utils._INITIALIZED`` says it happened.
+- :func:`uninitialised_tables`: TorchRec initialises a sharded table twice as it builds it (its batched kernel's
+  ``init_parameters``, then the sharded collection's ``reset_parameters`` with the table's ``init_fn``) and has no
+  option to skip either; a replacement whose tables the decode overwrites sets both aside while it shards.
 
 This module sits at the bottom of the package, at its root beside :mod:`lightning_dlrover.worker_env` and
 :mod:`lightning_dlrover.lightning_glue`, and imports nothing from the package: imports only point down, and
@@ -27,6 +30,7 @@ This module sits at the bottom of the package, at its root beside :mod:`lightnin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -216,3 +220,34 @@ def skip_collective_validation_broadcast() -> None:
     from torchrec.distributed import collective_utils
 
     collective_utils._INITIALIZED = True
+
+
+@contextlib.contextmanager
+def uninitialised_tables() -> Iterator[None]:
+    """Within it, the ``DistributedModelParallel`` this process builds leaves its sharded tables' storage as allocated
+    (not initialised): for a process whose tables are about to be overwritten (a replacement decoding a lost rank's
+    shards), initialising them is time spent in proportion to the state for nothing. The tables' ``init_fn`` and the
+    kernels' uniform initialisation are not called; anything else is built as usual.
+
+    Private reach: TorchRec calls the batched kernels' ``init_parameters`` (``BaseBatchedEmbedding``,
+    ``BaseBatchedEmbeddingBag``) from their constructors and the sharded collections' ``reset_parameters``
+    (``ShardedEmbeddingCollection``, ``ShardedEmbeddingBagCollection``) from theirs, with no option to skip them; they
+    are replaced by no-ops on the classes while the context is open (one process, one thread builds the model).
+    """
+    from torchrec.distributed import batched_embedding_kernel as kernels
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    def nothing(self: Any) -> None:
+        return None
+
+    classes = [(kernels.BaseBatchedEmbedding, "init_parameters"), (kernels.BaseBatchedEmbeddingBag, "init_parameters"),
+               (ShardedEmbeddingCollection, "reset_parameters"), (ShardedEmbeddingBagCollection, "reset_parameters")]
+    saved = [(cls, name, cls.__dict__[name]) for cls, name in classes]
+    for cls, name, _ in saved:
+        setattr(cls, name, nothing)
+    try:
+        yield
+    finally:
+        for cls, name, original in saved:
+            setattr(cls, name, original)

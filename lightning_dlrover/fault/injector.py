@@ -63,7 +63,16 @@ import lightning.pytorch as pl
 import psutil
 import torch.distributed as dist
 
-from lightning_dlrover.fault.points import ENV_FORMAT, FAULT_ENV, PHASES, RECOVERY_PHASES, SIGNALS, TARGETS
+from lightning_dlrover.fault.points import (
+    ENV_FORMAT,
+    FAULT_ENV,
+    PHASES,
+    RECOVERY_PHASES,
+    SIGNALS,
+    SPARES_TIMEOUT_S,
+    TARGETS,
+    WAIT_FOR_SPARES_ENV,
+)
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor.events import emit
 from lightning_dlrover.worker_env import local_world_size, restart_count
@@ -207,6 +216,8 @@ class FaultInjector(pl.Callback):
         """The fault point: kills this process if it is global rank ``rank`` at ``phase`` of training step ``step``."""
         if phase != self.phase or step != self.step or getattr(self._strategy, "recovered", False) or restart_count():
             return  # a restarted worker (same environment) replays the step instead of dying again
+        if os.environ.get(WAIT_FOR_SPARES_ENV) == "1":  # every rank, so that none waits in a collective meanwhile
+            self._wait_for_a_hot_spare()
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if self.target == "rank" and rank not in self.ranks:
             return
@@ -269,3 +280,14 @@ class FaultInjector(pl.Callback):
                             f"within {TOGETHER_TIMEOUT_S:.0f} s ({type(err).__name__}: {err}): dying without them")
             return missing
         return []
+
+    def _wait_for_a_hot_spare(self) -> None:
+        """Under ``lightning-dlrover launch``: waits until one of the launcher's spares waits for a rank (see
+        :data:`~lightning_dlrover.fault.points.WAIT_FOR_SPARES_ENV`)."""
+        from lightning_dlrover.fault.inplace import membership
+
+        if not membership.enabled():
+            return
+        store, deadline = membership.connect(), time.monotonic() + SPARES_TIMEOUT_S
+        while membership.spares_waiting(store, restart_count()) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)

@@ -12,6 +12,12 @@ RECOVERY_PHASES = ("during_recovery",)
 SIGNALS = ("SIGKILL", "SIGTERM", "error")
 TARGETS = ("rank", "node", "all")
 ENV_FORMAT = "rank=R[+R...],step=S,phase=P[,signal=SIGKILL|SIGTERM|error] or step=S,phase=P,target=node|all"
+#: Environment variable: ``1`` makes every rank that reaches a fault's point under ``lightning-dlrover launch`` first wait
+#: (at most :data:`SPARES_TIMEOUT_S`) until a hot spare waits for a rank, so a drill measures a hot spare's recovery (on
+#: a busy machine an idle-priority spare may still be importing when the point is reached). Every rank waits, none in a
+#: collective, so no collective times out meanwhile.
+WAIT_FOR_SPARES_ENV = "LIGHTNING_DLROVER_FAULT_WAITS_FOR_SPARES"
+SPARES_TIMEOUT_S = 600.0
 
 #: Environment variable: ``1`` checks the parity of a restored job against a fresh encode (drills; costs an encode).
 VERIFY_PARITY_ENV = "LIGHTNING_DLROVER_VERIFY_PARITY"

@@ -304,7 +304,7 @@ class DLRoverStrategy(DDPStrategy):
             self.fault, lambda: plan_sharding(module, constraints, self.root_device, local_world_size=self.num_processes),
             self.global_rank,
         )
-        self._dmp = distribute(module, plan, self.root_device)
+        self._dmp = distribute(module, plan, self.root_device, initialise=not self.fault.joining())
         rank_zero_info(f"DLRoverStrategy: {describe_plan(plan)}")
         return self._dmp
 

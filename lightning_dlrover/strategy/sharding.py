@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -235,14 +236,17 @@ DDP_BUCKETS: dict[str, dict[str, Any]] = {
 
 
 def distribute(
-    module: nn.Module, plan: ShardingPlan, device: torch.device, buckets: str = "find_unused"
+    module: nn.Module, plan: ShardingPlan, device: torch.device, buckets: str = "find_unused", initialise: bool = True
 ) -> DistributedModelParallel:
     """``module`` wrapped in TorchRec's ``DistributedModelParallel`` on the world process group, sharded by ``plan``,
-    its dense part in DDP with the bucket policy ``buckets`` (one of :data:`DDP_BUCKETS`)."""
-    return DistributedModelParallel(
-        module=module,
-        env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
-        device=device,
-        plan=plan,
-        data_parallel_wrapper=DefaultDataParallelWrapper(**DDP_BUCKETS[buckets]),
-    )
+    its dense part in DDP with the bucket policy ``buckets`` (one of :data:`DDP_BUCKETS`). ``initialise=False``: the
+    sharded tables are allocated and left uninitialised (a replacement, whose tables the decode fills, see
+    :func:`~lightning_dlrover.torchrec_glue.uninitialised_tables`)."""
+    with contextlib.nullcontext() if initialise else torchrec_glue.uninitialised_tables():
+        return DistributedModelParallel(
+            module=module,
+            env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+            device=device,
+            plan=plan,
+            data_parallel_wrapper=DefaultDataParallelWrapper(**DDP_BUCKETS[buckets]),
+        )

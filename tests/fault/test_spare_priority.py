@@ -111,3 +111,38 @@ def test_workers_get_torchruns_thread_count(supervisor, monkeypatch):
     assert "OMP_NUM_THREADS" not in supervisor.env(0, 0, None)  # one rank per machine: torchrun leaves it too
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert two.env(0, 0, None)["OMP_NUM_THREADS"] == "4"
+
+
+STILL_STARTING = """
+import json, os, sys, time
+if not os.environ.get("LIGHTNING_DLROVER_SPARE"):
+    time.sleep(30)
+    sys.exit(0)
+out = sys.argv[1]
+with open(out + ".waiting", "w") as f:
+    json.dump(os.sched_getscheduler(0), f)
+deadline = time.monotonic() + 60  # still "importing": it never reaches take_rank_if_spare before it is handed a rank
+while os.sched_getscheduler(0) == os.SCHED_IDLE and time.monotonic() < deadline:
+    time.sleep(0.01)
+with open(out + ".promoted", "w") as f:
+    json.dump(os.sched_getscheduler(0), f)
+"""
+
+
+def test_a_spare_handed_a_rank_while_still_starting_is_promoted_by_the_launcher(supervisor, tmp_path):
+    """On a busy machine a ``SCHED_IDLE`` spare may not have finished importing when it is handed a rank (measured: one
+    starved for 168 s while four other jobs kept both cores busy); the launcher lifts its priority when it hands it
+    the rank, so the rest of its start-up runs at the ranks' priority."""
+    if priority.can_restore() is not None:
+        pytest.skip(f"spares start at normal priority here: {priority.can_restore()}")
+    still = Supervisor(dataclasses.replace(supervisor.args, program=["-c", STILL_STARTING, str(tmp_path / "spare")]),
+                       supervisor.store, "test-still-starting")
+    try:
+        still.start()
+        membership.publish_committed(still.store, 0, 0, 1)
+        still.start_spares()
+        assert wait_for(tmp_path / "spare.waiting") == os.SCHED_IDLE
+        still.replace([0])
+        assert wait_for(tmp_path / "spare.promoted") == os.SCHED_OTHER
+    finally:
+        still.stop()

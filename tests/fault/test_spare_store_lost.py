@@ -4,6 +4,7 @@ on the dead store forever. The store is a real ``TCPStore`` served by a separate
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -32,6 +33,9 @@ class CountingStore:
         self.waits += 1
         return self.store.wait(keys, timeout)
 
+    def add(self, key, amount):
+        return self.store.add(key, amount)
+
     def get(self, key):
         return self.store.get(key)
 
@@ -45,8 +49,7 @@ def test_a_spare_gives_up_slowly_when_the_launchers_store_dies():
         assert server.stdout.readline().strip() == "ready"
         client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
         store = CountingStore(client)
-        server.kill()
-        server.wait()
+        threading.Timer(1.0, server.kill).start()  # while the spare waits
         started = time.monotonic()
         with pytest.raises(ConnectionError, match="store has failed"):
             membership.wait_for_assignment(store, 0, 0, wait_s=30.0, give_up_s=3.0)

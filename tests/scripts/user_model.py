@@ -14,6 +14,7 @@ prints ``state digest: <hex>`` at the end of fit (rank 0).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from datetime import timedelta
 
@@ -84,24 +85,34 @@ class ClickStream(IterableDataset):
             yield collate([data[next(indices)] for _ in range(self.local_batch)])
 
 
+def logged_init(path: str, weight: torch.Tensor) -> torch.Tensor:
+    """A table's ``init_fn`` that appends this process's id to ``path`` (which processes initialised tables)."""
+    with open(path, "a") as log:
+        log.write(f"{os.getpid()}\n")
+    return torch.nn.init.uniform_(weight, -0.05, 0.05)
+
+
 class UserModel(pl.LightningModule):
     def __init__(self, manual: bool = False, global_batch: int = 64, collection: bool = False,
-                 plain_loader: bool = False) -> None:
+                 plain_loader: bool = False, init_log: str | None = None) -> None:
         super().__init__()
         self.plain_loader = plain_loader
         self.automatic_optimization = not manual
         self.global_batch = global_batch
         self.collection = collection
+        init = {"init_fn": functools.partial(logged_init, init_log)} if init_log else {}
         if collection:
             self.ec = EmbeddingCollection(
-                tables=[EmbeddingConfig(name=f"t{t}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{t}"])
+                tables=[EmbeddingConfig(name=f"t{t}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{t}"],
+                                        **init)
                         for t in range(TABLES)],
                 device=torch.device("meta"),
             )
             apply_optimizer_in_backward(torch.optim.SGD, self.ec.parameters(), {"lr": 0.1})
         else:
             self.ebc = EmbeddingBagCollection(
-                tables=[EmbeddingBagConfig(name=f"t{t}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{t}"])
+                tables=[EmbeddingBagConfig(name=f"t{t}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{t}"],
+                                           **init)
                         for t in range(TABLES)],
                 device=torch.device("meta"),
             )
@@ -160,6 +171,7 @@ def main() -> None:
     parser.add_argument("--parity", default="1,1", help="k,r[,commit_every_n_steps[,overlap 0|1]] or 'none'")
     parser.add_argument("--plain-loader", action="store_true", help="a DataLoader over an IterableDataset, no state_dict")
     parser.add_argument("--ckpt-every", type=int, default=0)
+    parser.add_argument("--init-log", default=None, help="tables initialised by an init_fn that logs its pid here")
     parser.add_argument("--root", default=".")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--async-ckpt", action="store_true", help="DLRoverStrategy(async_checkpoint=True)")
@@ -189,7 +201,8 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = UserModel(manual=args.manual, collection=args.collection, plain_loader=args.plain_loader)
+    model = UserModel(manual=args.manual, collection=args.collection, plain_loader=args.plain_loader,
+                      init_log=args.init_log)
     trainer.fit(model, ckpt_path=args.resume)
     for path in args.save_after:
         trainer.save_checkpoint(path)

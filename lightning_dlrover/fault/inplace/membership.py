@@ -160,6 +160,7 @@ def wait_for_assignment(store: Store, launch: int, index: int, *, wait_s: float 
     Raises ``ConnectionError`` once the store has failed (not timed out) for ``give_up_s`` seconds: the
     launcher that holds it is gone, and so is the job this spare was waiting for."""
     key = PREFIX + f"{launch}/assign/{index}"
+    store.add(PREFIX + f"{launch}/spares_waiting", 1)
     failing_since: float | None = None
     while True:  # blocked in the store's socket: a waiting spare uses no CPU (each timeout logs one line in C++)
         started = time.monotonic()
@@ -178,6 +179,11 @@ def wait_for_assignment(store: Store, launch: int, index: int, *, wait_s: float 
                                       f"({error}); the job it waited for is gone") from error
             time.sleep(min(5.0, 0.5 + (now - failing_since) / 10))
     return Assignment(**json.loads(store.get(key)))
+
+
+def spares_waiting(store: Store, launch: int) -> int:
+    """How many spares of launch ``launch`` ever reached their wait for a rank (imported, set up: hot)."""
+    return int(store.add(PREFIX + f"{launch}/spares_waiting", 0))
 
 
 def publish_committed(store: Store, launch: int, generation: int, step: int) -> None:

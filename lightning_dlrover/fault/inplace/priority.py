@@ -2,8 +2,10 @@
 
 A hot spare imports torch, Lightning and TorchRec beside the ranks it may one day replace; on a machine whose cores
 the ranks use, that start-up competes with training. The launcher starts its spares under Linux's ``SCHED_IDLE``
-policy (they run only on a core nobody else wants) and a spare handed a rank switches every one of its threads back
-to ``SCHED_OTHER`` (its nice value, the launcher's, is unchanged by both switches).
+policy (they run only on a core nobody else wants) and a spare handed a rank is switched back to ``SCHED_OTHER``,
+every one of its threads, by the launcher as it hands it the rank (:func:`promote`: a spare still importing on a busy
+machine would otherwise finish its start-up at idle priority) and again by itself (:func:`restore`); its nice value,
+the launcher's, is unchanged by the switches.
 
 ``SCHED_IDLE`` ranks a thread only against the threads of its own scheduling group, and every worker runs in a session
 of its own (as under ``torchrun``), which Linux's autogroup scheduler makes a group of its own with an equal share of
@@ -110,6 +112,31 @@ def restore() -> str | None:
                 os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
         except ProcessLookupError:
             continue  # a thread that ended meanwhile
+        except OSError as err:
+            return f"the OS refused SCHED_OTHER ({err})"
+    return None
+
+
+def promote(pid: int) -> str | None:
+    """From the launcher: puts every thread of spare ``pid`` back under ``SCHED_OTHER`` and its autogroup at nice 0
+    the moment it is handed a rank; ``None``, or why not (the spare then does it itself, see :func:`restore`).
+
+    A spare still importing when it is handed a rank (on a busy machine ``SCHED_IDLE`` may never let it run) would
+    otherwise finish its start-up at idle priority while the survivors wait for it."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return None
+    if (group_nice(pid) or 0) > 0:
+        set_group_nice(pid, 0, tries=1)
+    try:
+        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        threads = [pid]
+    for tid in threads:
+        try:
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile (or the spare itself)
         except OSError as err:
             return f"the OS refused SCHED_OTHER ({err})"
     return None

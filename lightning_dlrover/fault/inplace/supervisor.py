@@ -218,6 +218,7 @@ class Supervisor:
         for rank in sorted(lost):
             if idle:
                 spare = idle.pop(0)
+                priority.promote(spare.process.pid)  # a spare still importing must not finish at idle priority
             else:  # no hot spare left: a new process takes the rank (it imports everything first)
                 cold.append(rank)
                 spare = self.spawn(None, 0)
