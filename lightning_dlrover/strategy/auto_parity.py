@@ -7,10 +7,17 @@ measured default per sample, or the costs an earlier run of the same job recorde
 ``$LIGHTNING_DLROVER_HISTORY`` (:mod:`lightning_dlrover.planner.records`), failures from ``$LIGHTNING_DLROVER_MTBF_HOURS`` (the job's MTBF in hours) or the
 published rates), hands the pick to every rank over the control plane and records it (event ``parity_planned``).
 The pick may be ``None``: checkpoints alone do better at this failure rate.
+
+The pick is planned once per run: every rank writes it to ``parity_plan.json`` in its node's spill directory (the
+run directory outside a launcher) with the launcher's run id, and a restarted incarnation (``torchrun`` or
+``launch`` restarting every worker) or a replacement taking a lost rank in process reuses it (``source:
+"recorded"``) instead of planning again: the spills and parity it decodes were written with that ``(k, r, N)``. A
+recorded parity the world size can no longer hold (``k + r`` above it, a shrunk elastic job) is planned again.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,8 +26,9 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dlrover import control_plane, torchrec_glue
+from lightning_dlrover import control_plane, torchrec_glue, worker_env
 from lightning_dlrover.fault import ParityConfig
+from lightning_dlrover.fault.restart.spill import ensure_private_dir, spill_dir
 from lightning_dlrover.monitor import emit
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.planner.job import OPTIMIZER_BYTES_PER_ROW, STEP_S_PER_RANK_SAMPLE, PlannedJob
@@ -28,6 +36,8 @@ from lightning_dlrover.planner.job import OPTIMIZER_BYTES_PER_ROW, STEP_S_PER_RA
 HISTORY_ENV = "LIGHTNING_DLROVER_HISTORY"  # the advisor's (lightning_dlrover.advisor.history.HISTORY_ENV)
 #: Environment variable: the job's mean time between failures in hours, for ``parity: auto`` (``--mtbf-hours``).
 MTBF_ENV = "LIGHTNING_DLROVER_MTBF_HOURS"
+#: The file a run's pick is recorded in (see the module docs).
+PLAN_FILE = "parity_plan.json"
 
 
 def _mtbf_hours() -> float | None:
@@ -72,27 +82,89 @@ def check(parity: Any, world_size: int, module: nn.Module | None = None) -> None
         raise ValueError(f"${MTBF_ENV}={mtbf}: the job's mean time between failures must be > 0 hours.")
 
 
+def plan_path(trainer: pl.Trainer) -> Path:
+    """Where this node records the run's pick: its spill directory, else the trainer's run directory."""
+    spills = spill_dir()
+    return (spills if spills is not None else Path(trainer.default_root_dir)) / PLAN_FILE
+
+
+def _fields(pick: ParityConfig | None) -> dict[str, int] | None:
+    return {"k": pick.k, "r": pick.r, "commit_every_n_steps": pick.commit_every_n_steps} if pick else None
+
+
+def recorded_plan(path: Path) -> dict[str, Any] | None:
+    """The pick this run recorded at ``path`` (``{"parity": fields or None, "world_size": W}``), ``None`` when there
+    is none for this run: no file, another run's (its run id differs) or no launcher (no run id: nothing restarts)."""
+    run_id = worker_env.run_id()
+    if not run_id or not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("run_id") == run_id and "parity" in record else None
+
+
+def _record(path: Path, pick: ParityConfig | None, world_size: int) -> None:
+    if not worker_env.run_id():
+        return
+    if path.parent == spill_dir():
+        ensure_private_dir(path.parent)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps({"run_id": worker_env.run_id(), "world_size": world_size, "parity": _fields(pick)}))
+    temporary.replace(path)
+
+
+def _usable(record: dict[str, Any] | None, world_size: int) -> bool:
+    parity = record and record["parity"]
+    return record is not None and (parity is None or parity["k"] + parity["r"] <= world_size)
+
+
+def _planned(strategy: Any, trainer: pl.Trainer, module: nn.Module) -> ParityConfig | None:
+    """The planner's pick for this job (rank 0 only)."""
+    datamodule = getattr(trainer, "datamodule", None)
+    global_batch = getattr(getattr(datamodule, "hparams", {}), "get", lambda *_: None)("global_batch_size") or 4096
+    step_s = STEP_S_PER_RANK_SAMPLE * global_batch / strategy.world_size
+    measured = _recorded_costs(module, global_batch, strategy.num_processes, strategy.num_nodes)
+    step_s = measured.pop("step_s", step_s)
+    return ParityConfig.auto(strategy.world_size, state_bytes(module), step_s, ranks_per_machine=strategy.num_processes,
+                             mtbf_hours=_mtbf_hours(), measured=measured)
+
+
 def resolve(strategy: Any, trainer: pl.Trainer) -> ParityConfig | None:
-    """``strategy.parity``, with ``"auto"`` replaced by the planner's pick, the same on every rank (collective)."""
+    """``strategy.parity``, with ``"auto"`` replaced by the run's recorded pick or the planner's, the same on every rank
+    (collective, except on a replacement joining in process: it reads the recorded pick)."""
     if strategy.parity != "auto":
         return strategy.parity
     module = strategy.lightning_module
     check("auto", strategy.world_size, module)
-    datamodule = getattr(trainer, "datamodule", None)
-    global_batch = getattr(getattr(datamodule, "hparams", {}), "get", lambda *_: None)("global_batch_size") or 4096
-    step_s = STEP_S_PER_RANK_SAMPLE * global_batch / strategy.world_size
-    picked: list[Any] = [None]
+    path = plan_path(trainer)
+    mine = recorded_plan(path)
+    if strategy.fault.joining():  # the survivors are in fit: no collective; the launcher's run recorded the pick
+        if mine is None:
+            raise RuntimeError(f"parity: auto: this replacement finds no pick recorded by its run at {path}; a "
+                               "replacement must code with the survivors' parity. Is the spill directory shared "
+                               "with the ranks of this machine ($LIGHTNING_DLROVER_SPILL_DIR)?")
+        return ParityConfig(**mine["parity"]) if mine["parity"] else None
+    found: list[Any] = [None] * strategy.world_size
+    dist.all_gather_object(found, mine, group=control_plane.group())
+    picked: list[Any] = [None, None]
     if strategy.global_rank == 0:
-        measured = _recorded_costs(module, global_batch, strategy.num_processes, strategy.num_nodes)
-        step_s = measured.pop("step_s", step_s)
-        pick = ParityConfig.auto(strategy.world_size, state_bytes(module), step_s,
-                                 ranks_per_machine=strategy.num_processes, mtbf_hours=_mtbf_hours(), measured=measured)
-        picked = [pick]
+        record = next((r for r in found if r is not None), None)
+        if _usable(record, strategy.world_size):
+            picked = [record["parity"], "recorded"]
+        else:
+            picked = [_fields(_planned(strategy, trainer, module)), "planned"]
     dist.broadcast_object_list(picked, src=0, group=control_plane.group())
-    pick = picked[0]
+    fields, source = picked
+    pick = ParityConfig(**fields) if fields else None
+    if mine is None or mine["parity"] != fields:
+        _record(path, pick, strategy.world_size)
     if strategy.global_rank == 0:
         job_events.configure(Path(trainer.default_root_dir) / "dlrover_events.jsonl")
-        fields = {"k": pick.k, "r": pick.r, "commit_every_n_steps": pick.commit_every_n_steps} if pick else {}
-        emit("parity_planned", world_size=strategy.world_size, parity=fields or None, mtbf_hours=_mtbf_hours(),
-             message=f"parity: auto picked {fields or 'no parity (checkpoints only)'} at {strategy.world_size} ranks")
+        how = "kept the pick its run recorded" if source == "recorded" else "picked"
+        emit("parity_planned", world_size=strategy.world_size, parity=fields, mtbf_hours=_mtbf_hours(), source=source,
+             message=f"parity: auto {how}: {fields or 'no parity (checkpoints only)'} at {strategy.world_size} ranks")
     return pick

@@ -69,3 +69,64 @@ def test_parity_auto_is_refused_before_ranks_start(tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stdout, bad.stdout[-3000:]
     assert "LIGHTNING_DLROVER_MTBF_HOURS=-3.0: the job's mean time between failures must be > 0 hours" in bad.stdout
     assert "Initializing distributed" not in bad.stdout, bad.stdout[-3000:]
+
+
+def test_a_restarted_incarnation_keeps_the_parity_its_run_planned(tmp_path):
+    """``torchrun`` restarts both ranks after rank 1 dies at step 8. Between the two incarnations the job history
+    changed (here: checkpoints became cheap, so a fresh plan would pick checkpoints only): the restarted incarnation
+    keeps the parity the first one planned and recorded, and decodes rank 1's state from the spills written with it."""
+    import sys
+    import threading
+    import time
+
+    from lightning_dlrover.cli.chaos import STORE_ENV
+    from lightning_dlrover.fault.injector import FAULT_ENV
+    from tests.conftest import REPO, start
+    from tests.fault.test_in_process import free_port
+
+    tables = tuple((300, 8) for _ in range(4))  # tests/scripts/user_model.py's; no data module: the 4096 default batch
+    key = PlannedJob(tables, 2, 1, 4096).key()
+    history = tmp_path / "history.sqlite"
+    db = JobHistory(resolve_url(history))
+    db.add_costs(key, {"save_s": 30.0, "load_s": 10.0})  # slow checkpoints: parity pays at one failure in 3 minutes
+    db.close()
+    events = tmp_path / "events.jsonl"
+    env = {"LIGHTNING_DLROVER_MTBF_HOURS": "0.05", "LIGHTNING_DLROVER_HISTORY": str(history),
+           "LIGHTNING_DLROVER_EVENTS": str(events), "LIGHTNING_DLROVER_SPILL_DIR": str(tmp_path / "spills"),
+           FAULT_ENV: "rank=1,step=8,phase=after_optimizer", **STORE_ENV}
+    proc = start([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
+                  "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                  "--rdzv-id=keeps-parity", str(REPO / "tests" / "scripts" / "user_model.py"), "--steps", "12",
+                  "--root", str(tmp_path / "run"), "--parity", "auto"], tmp_path, env)
+
+    def cheapen_checkpoints() -> None:  # once the first incarnation planned, before it fails at step 8
+        while proc.poll() is None:
+            if events.is_file() and any(e.kind == "parity_planned" for e in read_events([events])):
+                db = JobHistory(resolve_url(history))
+                db.add_costs(key, {"save_s": 1e-4, "load_s": 1e-4})
+                db.close()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=cheapen_checkpoints)
+    watcher.start()
+    try:
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+        watcher.join()
+    assert proc.returncode == 0, out[-4000:]
+    state = sum(r * (d * 4 + OPTIMIZER_BYTES_PER_ROW) for r, d in tables)
+    step_s = STEP_S_PER_RANK_SAMPLE * 4096 / 2
+    first = ParityConfig.auto(2, state, step_s, ranks_per_machine=2, mtbf_hours=0.05,
+                              measured={"save_s": 30.0, "load_s": 10.0})
+    assert first is not None
+    assert ParityConfig.auto(2, state, step_s, ranks_per_machine=2, mtbf_hours=0.05,
+                             measured={"save_s": 1e-4, "load_s": 1e-4}) is None  # what a fresh plan picks now
+    found = read_events([events])
+    planned = [(e["parity"], e["source"]) for e in found if e.kind == "parity_planned"]
+    fields = {"k": first.k, "r": first.r, "commit_every_n_steps": first.commit_every_n_steps}
+    assert planned == [(fields, "planned"), (fields, "recorded")], planned
+    restored = [e.fields["lost_ranks"] for e in found if e.kind == "restored"]
+    assert restored == [[1]], [e.kind for e in found]
+    assert "parity: auto kept the pick its run recorded" in out
