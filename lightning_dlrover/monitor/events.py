@@ -56,6 +56,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     # a launcher started hot spares (spare indices, their pids) after generation's first committed step (step), at
     # "idle" (SCHED_IDLE) or "normal" CPU priority (the message says why once)
     "spares_started": ("spares", "pids", "generation", "priority"),
+    "spare_ready": ("spare",),  # a hot spare finished starting (imports) and waits for a rank to take
     "recovered_in_process": ("survivor", "lost_ranks", "decode_s", "reshard_s", "lost_at", "failed_at",
                              "connected_at", "restored_at"),  # every rank; times are Unix seconds
     "in_process_refused": ("why", "error"),

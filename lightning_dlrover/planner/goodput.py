@@ -20,8 +20,13 @@ Checkpoints every ``tau`` seconds of training cost ``C`` each, blocking.
   costs ``R_in_process + R_decode * k + N * t / 2`` while spares last; lost ranks wait ``refill_hours`` for a replacement, so the
   ranks out are Poisson with mean ``(lost ranks per hour) * refill_hours`` and a failure taking ``n`` ranks finds
   spares with probability ``P(Poisson <= S - n)``, else ``launch`` restarts every worker from the newest
-  checkpoint (kept at Young's interval for those failures). The spares' time is paid for: ``G`` is multiplied
-  by ``W / (W + S)``.
+  checkpoint (kept at Young's interval for those failures). Where ``launch`` starts a new spare process at once
+  (``spare_start_s`` finite: the lost rank's device can be used again, as on CPU) the refill takes
+  ``spare_start_s`` instead, and a failure that finds no spare ready waits for the one still starting (on
+  average ``T - 1/lambda + T / (exp(lambda * T) - 1)`` seconds, ``T = spare_start_s``) and recovers in process. A
+  failure inside an in-process recovery (share ``1 - exp(-lambda * R)``, ``R`` that recovery) makes ``launch``
+  restart every worker from the newest checkpoint. The spares' time is paid for: ``G`` is multiplied by
+  ``W / (W + S)``.
 
 All times in seconds; the costs are :class:`~.costs.JobCosts`.
 """
@@ -138,11 +143,19 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
         spares = candidate.spares
         if spares < 1:
             raise ValueError(f"{candidate.label}: in-process recovery needs at least one hot spare.")
-        out = (rank_rate + machine_rate * machine_ranks) * 3600.0 * costs.refill_hours  # mean ranks waiting
+        respawn = math.isfinite(costs.spare_start_s)  # launch starts a new spare process at once
+        refill_s = costs.spare_start_s if respawn else costs.refill_hours * 3600.0
+        out = (rank_rate + machine_rate * machine_ranks) * refill_s  # mean ranks waiting for a spare
         for rate, lost in covered:
             found = _poisson_cdf(spares - lost, out)
-            waste += rate * found * (costs.in_process_s + costs.decode_s * k + lost_work)
-            uncovered += rate * (1 - found)  # no spare free: launch restarts every worker from the checkpoint
+            recovery = costs.in_process_s + costs.decode_s * k
+            if respawn:  # no spare ready: the one starting takes the rank when it is up
+                wait = _remaining_start(costs.spare_start_s, total)
+                recovery += (1 - found) * wait
+                found = 1.0
+            inside = 1.0 - math.exp(-total * recovery)  # the next failure lands inside this recovery
+            waste += rate * found * (1 - inside) * (recovery + lost_work)
+            uncovered += rate * (1 - found * (1 - inside))  # launch restarts every worker from the checkpoint
         paid = world_size / (world_size + spares)
         step *= 1.0 + costs.launch_overhead
     tau, kept = _checkpointing(costs.save_s, uncovered, step, checkpoint_every_s if uncovered else None)
@@ -151,6 +164,15 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
     share = sum(rate for rate, _ in covered) / total if total else 1.0
     goodput = costs.step_s / step * kept * math.exp(-waste) * paid
     return Estimate(candidate, goodput, tau, step, total * 3600, share)
+
+
+def _remaining_start(start_s: float, rate: float) -> float:
+    """The mean rest of a spare's start of ``start_s`` seconds, begun at the previous failure, at the next failure
+    (Poisson at ``rate``) when that comes before the spare is up."""
+    x = rate * start_s
+    if x < 1e-6:
+        return start_s / 2
+    return start_s - 1.0 / rate + start_s / math.expm1(x)
 
 
 def _poisson_cdf(n: int, mean: float) -> float:

@@ -147,6 +147,9 @@ def resolve(strategy: Any, trainer: pl.Trainer) -> ParityConfig | None:
             raise RuntimeError(f"parity: auto: this replacement finds no pick recorded by its run at {path}; a "
                                "replacement must code with the survivors' parity. Is the spill directory shared "
                                "with the ranks of this machine ($LIGHTNING_DLROVER_SPILL_DIR)?")
+        emit("parity_planned", world_size=strategy.world_size, parity=mine["parity"], mtbf_hours=_mtbf_hours(),
+             source="recorded", message=f"parity: auto: this replacement kept the pick its run recorded: "
+             f"{mine['parity'] or 'no parity (checkpoints only)'}")
         return ParityConfig(**mine["parity"]) if mine["parity"] else None
     found: list[Any] = [None] * strategy.world_size
     dist.all_gather_object(found, mine, group=control_plane.group())

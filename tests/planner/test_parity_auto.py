@@ -130,3 +130,24 @@ def test_a_restarted_incarnation_keeps_the_parity_its_run_planned(tmp_path):
     restored = [e.fields["lost_ranks"] for e in found if e.kind == "restored"]
     assert restored == [[1]], [e.kind for e in found]
     assert "parity: auto kept the pick its run recorded" in out
+
+
+def test_an_in_process_replacement_codes_with_the_runs_recorded_parity(tmp_path):
+    """Under ``lightning-dlrover launch`` a hot spare takes rank 1 in process: it reads the pick the run recorded (the
+    survivors are in ``fit``, no collective to plan with) and the job ends."""
+    from tests.fault.test_in_process import launch
+
+    tables = tuple((300, 8) for _ in range(4))
+    history = tmp_path / "history.sqlite"
+    db = JobHistory(resolve_url(history))
+    db.add_costs(PlannedJob(tables, 2, 1, 4096).key(), {"save_s": 30.0, "load_s": 10.0})
+    db.close()
+    env = {"LIGHTNING_DLROVER_MTBF_HOURS": "0.05", "LIGHTNING_DLROVER_HISTORY": str(history),
+           "LIGHTNING_DLROVER_SPILL_DIR": str(tmp_path / "spills")}
+    _, found, out = launch(tmp_path, "auto", "--spares", "1", "--run-id", "auto-in-process",
+                           fault="rank=1,step=5,phase=after_optimizer", script_args=["--parity", "auto"], env=env)
+    planned = [(e.rank, e["parity"], e["source"]) for e in found if e.kind == "parity_planned"]
+    fields = {"k": 1, "r": 1, "commit_every_n_steps": 1}
+    assert planned == [(0, fields, "planned"), (1, fields, "recorded")], planned
+    assert {e.rank for e in found if e.kind == "recovered_in_process"} == {0, 1}, [e.kind for e in found]
+    assert "this replacement kept the pick its run recorded" in out

@@ -76,11 +76,30 @@ def test_parity_in_process_goodput_by_hand():
     step = 1.045
     found = math.exp(-0.1)  # ranks out of service: Poisson of mean 0.1 failures/h * 1 h; a spare is free if none
     rate = 1 / 36000
-    # no spare free: launch restarts every worker from the newest checkpoint, kept at Young's interval for those
-    tau = math.sqrt(2 * 10 / (rate * (1 - found)))
-    waste = rate * found * (1 + 2 * 2 + 4 * step / 2) + rate * (1 - found) * (20 + 5 + (tau + 10) / 2)
+    inside = 1 - math.exp(-rate * (1 + 2 * 2))  # the next failure lands inside the 5 s recovery: launch restarts
+    in_process = found * (1 - inside)
+    # no spare free (or a failure inside the recovery): launch restarts every worker from the newest checkpoint, kept
+    # at Young's interval for those
+    tau = math.sqrt(2 * 10 / (rate * (1 - in_process)))
+    waste = rate * in_process * (1 + 2 * 2 + 4 * step / 2) + rate * (1 - in_process) * (20 + 5 + (tau + 10) / 2)
     assert e.checkpoint_every_s == pytest.approx(tau)
     assert e.goodput == pytest.approx((1 / step) * tau / (tau + 10) * math.exp(-waste) * 4 / 5, rel=1e-9)  # spare paid
+
+
+def test_parity_in_process_with_spares_respawned_at_once_by_hand():
+    # launch re-spawns a used spare at once (CPU): 60 s to start it; failures every 2 minutes (rate 1/120 per s)
+    c = JobCosts(step_s=1.0, state_bytes=1e9, save_s=10.0, load_s=5.0, restart_s=20.0, in_process_s=1.0, decode_s=0.0,
+                 parity_capture=0.0, parity_commit=0.0, launch_overhead=0.0, spare_start_s=60.0)
+    failures = FailureModel.from_job_mtbf(1 / 30, 2, ranks_per_machine=2, machine_share=0.0)
+    e = estimate(Candidate("parity-in-process", k=1, r=1, commit_every=1, spares=1), c, failures, 2)
+    rate = 1 / 120
+    found = math.exp(-rate * 60)  # the spare started after the previous failure is up
+    wait = 60 - 120 + 60 / math.expm1(0.5)  # else the rest of its start, on average
+    recovery = 1 + (1 - found) * wait
+    inside = 1 - math.exp(-rate * recovery)
+    tau = math.sqrt(2 * 10 / (rate * inside))
+    waste = rate * (1 - inside) * (recovery + 0.5) + rate * inside * (20 + 5 + (tau + 10) / 2)
+    assert e.goodput == pytest.approx(tau / (tau + 10) * math.exp(-waste) * 2 / 3, rel=1e-9)
 
 
 @pytest.mark.parametrize("world, per_machine, k, r", [(16, 8, 2, 1), (16, 8, 1, 1), (32, 8, 2, 2), (32, 8, 3, 1),

@@ -120,3 +120,28 @@ def _raise_nice_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NICE)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NICE, (hard, hard))
+
+
+def promote(pid: int) -> str | None:
+    """From the launcher: puts every thread of process ``pid`` (a spare just handed a rank) under ``SCHED_OTHER`` and
+    its autogroup at nice 0; ``None``, or why not. A spare handed a rank while it is still starting would otherwise
+    finish its imports at the lowest priority, and on a machine whose cores other programs keep busy (the survivors
+    only wait for it) that start-up may take minutes; the spare's own :func:`restore` comes only after it."""
+    set_group_nice(pid, 0)
+    if not hasattr(os, "SCHED_IDLE"):
+        return None
+    try:
+        _, hard = resource.prlimit(pid, resource.RLIMIT_NICE)
+        resource.prlimit(pid, resource.RLIMIT_NICE, (hard, hard))  # the kernel checks the target's soft limit
+        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, ValueError):
+        threads = [pid]
+    for tid in threads:
+        try:
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except ProcessLookupError:
+            continue
+        except OSError as err:
+            return f"the OS refused SCHED_OTHER ({err})"
+    return None
