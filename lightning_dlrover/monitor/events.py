@@ -49,7 +49,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "resumed": (),  # the first step committed after a restore or fallback
     # parity: auto's pick (parity None: checkpoints only); source "planned", or "recorded": a restarted incarnation or
     # a replacement reuses the plan its run recorded (the spills it decodes were written with it)
-    "parity_planned": ("world_size", "parity", "mtbf_hours", "source"),
+    "parity_planned": ("world_size", "parity", "mtbf_hours", "source", "measured"),  # measured: history costs used
+    "costs_measured": ("job_key", "costs"),  # parity: auto timed the job's steps and recorded them in the job history
     "digest": ("digest", "final"),
     # In-process recovery (lightning-dlrover launch): the launcher's plan, each rank's recovery, the fallbacks
     "replacement_planned": ("generation", "lost_ranks", "replacements", "cold"),

@@ -6,7 +6,8 @@ embedding tables). At set-up, before the model is sharded, :func:`resolve` plans
 measured default per sample, or the costs an earlier run of the same job recorded in the job history named by
 ``$LIGHTNING_DLROVER_HISTORY`` (:mod:`lightning_dlrover.planner.records`), failures from ``$LIGHTNING_DLROVER_MTBF_HOURS`` (the job's MTBF in hours) or the
 published rates), hands the pick to every rank over the control plane and records it (event ``parity_planned``).
-The pick may be ``None``: checkpoints alone do better at this failure rate.
+The pick may be ``None``: checkpoints alone do better at this failure rate. With a job history, rank 0 also times
+a few of the run's first steps (:mod:`.cost_probe`) and records them for the next run's plan.
 
 The pick is planned once per run: every rank writes it to ``parity_plan.json`` in its node's spill directory (the
 run directory outside a launcher) with the launcher's run id, and a restarted incarnation (``torchrun`` or
@@ -50,15 +51,26 @@ def _mtbf_hours() -> float | None:
         raise ValueError(f"${MTBF_ENV}={text!r} is not a number of hours (the job's mean time between failures).")
 
 
-def _recorded_costs(module: nn.Module, global_batch: int, per_machine: int, machines: int) -> dict[str, float]:
-    """The costs the job history (``$LIGHTNING_DLROVER_HISTORY``) holds for this job's tables and batch."""
+def _global_batch(trainer: pl.Trainer) -> int:
+    datamodule = getattr(trainer, "datamodule", None)
+    return getattr(getattr(datamodule, "hparams", {}), "get", lambda *_: None)("global_batch_size") or 4096
+
+
+def job_key(strategy: Any, trainer: pl.Trainer) -> str:
+    """The job's key in the history's cost records (:meth:`~lightning_dlrover.planner.job.PlannedJob.key`)."""
+    tables = tuple((t.rows, t.dim) for t in torchrec_glue.embedding_tables(strategy.lightning_module))
+    return PlannedJob(tables, strategy.num_processes, strategy.num_nodes, _global_batch(trainer)).key()
+
+
+def _recorded_costs(strategy: Any, trainer: pl.Trainer) -> dict[str, float]:
+    """The costs the job history (``$LIGHTNING_DLROVER_HISTORY``) holds for this job's tables and batch: measured by
+    earlier runs of it (:mod:`.cost_probe`) or a benchmark."""
     history = os.environ.get(HISTORY_ENV)
     if not history:
         return {}
     from lightning_dlrover.planner.records import read_costs
 
-    tables = tuple((t.rows, t.dim) for t in torchrec_glue.embedding_tables(module))
-    return read_costs(history, PlannedJob(tables, per_machine, machines, global_batch).key())
+    return read_costs(history, job_key(strategy, trainer))
 
 
 def state_bytes(module: nn.Module) -> int:
@@ -122,15 +134,14 @@ def _usable(record: dict[str, Any] | None, world_size: int) -> bool:
     return record is not None and (parity is None or parity["k"] + parity["r"] <= world_size)
 
 
-def _planned(strategy: Any, trainer: pl.Trainer, module: nn.Module) -> ParityConfig | None:
-    """The planner's pick for this job (rank 0 only)."""
-    datamodule = getattr(trainer, "datamodule", None)
-    global_batch = getattr(getattr(datamodule, "hparams", {}), "get", lambda *_: None)("global_batch_size") or 4096
-    step_s = STEP_S_PER_RANK_SAMPLE * global_batch / strategy.world_size
-    measured = _recorded_costs(module, global_batch, strategy.num_processes, strategy.num_nodes)
-    step_s = measured.pop("step_s", step_s)
-    return ParityConfig.auto(strategy.world_size, state_bytes(module), step_s, ranks_per_machine=strategy.num_processes,
-                             mtbf_hours=_mtbf_hours(), measured=measured)
+def _planned(strategy: Any, trainer: pl.Trainer, module: nn.Module) -> tuple[ParityConfig | None, dict[str, float]]:
+    """The planner's pick for this job (rank 0 only), and the costs from the job history it used."""
+    measured = _recorded_costs(strategy, trainer)
+    costs = dict(measured)
+    step_s = costs.pop("step_s", STEP_S_PER_RANK_SAMPLE * _global_batch(trainer) / strategy.world_size)
+    pick = ParityConfig.auto(strategy.world_size, state_bytes(module), step_s, ranks_per_machine=strategy.num_processes,
+                             mtbf_hours=_mtbf_hours(), measured=costs)
+    return pick, measured
 
 
 def resolve(strategy: Any, trainer: pl.Trainer) -> ParityConfig | None:
@@ -154,20 +165,28 @@ def resolve(strategy: Any, trainer: pl.Trainer) -> ParityConfig | None:
     found: list[Any] = [None] * strategy.world_size
     dist.all_gather_object(found, mine, group=control_plane.group())
     picked: list[Any] = [None, None]
+    measured: dict[str, float] | None = None
     if strategy.global_rank == 0:
         record = next((r for r in found if r is not None), None)
         if _usable(record, strategy.world_size):
             picked = [record["parity"], "recorded"]
         else:
-            picked = [_fields(_planned(strategy, trainer, module)), "planned"]
+            planned, measured = _planned(strategy, trainer, module)
+            picked = [_fields(planned), "planned"]
     dist.broadcast_object_list(picked, src=0, group=control_plane.group())
     fields, source = picked
     pick = ParityConfig(**fields) if fields else None
     if mine is None or mine["parity"] != fields:
         _record(path, pick, strategy.world_size)
+    if strategy.global_rank == 0 and (history := os.environ.get(HISTORY_ENV)):  # measured for the next run's plan
+        from lightning_dlrover.strategy.cost_probe import CostProbe
+
+        trainer.callbacks.append(CostProbe(history, job_key(strategy, trainer),
+                                           (pick.k, pick.r, pick.commit_every_n_steps) if pick else None))
     if strategy.global_rank == 0:
         job_events.configure(Path(trainer.default_root_dir) / "dlrover_events.jsonl")
         how = "kept the pick its run recorded" if source == "recorded" else "picked"
         emit("parity_planned", world_size=strategy.world_size, parity=fields, mtbf_hours=_mtbf_hours(), source=source,
+             measured=measured,
              message=f"parity: auto {how}: {fields or 'no parity (checkpoints only)'} at {strategy.world_size} ranks")
     return pick

@@ -3,6 +3,7 @@ is refused before any rank starts."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from lightning_dlrover.advisor.history import JobHistory, resolve_url
@@ -151,3 +152,37 @@ def test_an_in_process_replacement_codes_with_the_runs_recorded_parity(tmp_path)
     assert planned == [(0, fields, "planned"), (1, fields, "recorded")], planned
     assert {e.rank for e in found if e.kind == "recovered_in_process"} == {0, 1}, [e.kind for e in found]
     assert "this replacement kept the pick its run recorded" in out
+
+
+def test_parity_auto_measures_the_job_and_the_next_run_plans_with_it(tmp_path):
+    """With a job history and nothing measured in it, ``parity: auto`` plans from the defaults, times the run's first
+    steps and records them; the next run of the same job plans with its own step time."""
+    history = tmp_path / "history.sqlite"
+    env = {"LIGHTNING_DLROVER_MTBF_HOURS": "0.05", "LIGHTNING_DLROVER_HISTORY": str(history)}
+    config = yaml.safe_load(open(_config(tmp_path, 2)))
+    config["trainer"]["max_steps"] = 10
+    path = tmp_path / "job10.yaml"
+    path.write_text(yaml.safe_dump(config))
+    key = PlannedJob(tuple((r, DIM) for r in ROWS), 2, 1, BATCH).key()
+    runs, recorded = [], []
+    for _ in range(2):
+        out = run(["-m", "lightning_dlrover", "fit", "--config", str(path)], tmp_path, env=env, timeout=240)
+        assert out.returncode == 0, out.stdout[-4000:]
+        runs.append(read_events([tmp_path / "run" / "dlrover_events.jsonl"]))
+        (tmp_path / "run" / "dlrover_events.jsonl").unlink()
+        db = JobHistory(resolve_url(history))
+        recorded.append(db.costs(key))
+        db.close()
+    first, second = ([e for e in events if e.kind == "parity_planned"] for events in runs)
+    assert first[0]["measured"] == {}  # nothing recorded yet: the defaults
+    [measured] = [e for e in runs[0] if e.kind == "costs_measured"]
+    assert measured["job_key"] == key
+    parity = first[0]["parity"]
+    name = "step_s" if parity is None else "step_s_k{k}r{r}n{commit_every_n_steps}".format(**parity)
+    assert set(measured["costs"]) == {name, name.replace("step_s", "cpu_s")}
+    assert all(v > 0 for v in measured["costs"].values())
+    from lightning_dlrover.planner.records import costs_from_records
+
+    assert recorded[0] == pytest.approx(measured["costs"], abs=1e-6)
+    assert second[0]["measured"] == pytest.approx(costs_from_records(recorded[0]))
+    assert second[0]["measured"]["step_s"] > 0  # the second run's plan used the job's own step time

@@ -149,3 +149,22 @@ def test_fit_parity_recovers_capture_and_commit():
 def test_bad_input_is_a_clear_error(make, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
         make()
+
+
+def test_costs_from_a_jobs_own_step_records():
+    from lightning_dlrover.planner.records import costs_from_records, step_name
+
+    base = {step_name(None): 0.100, "save_s": 3.0}
+    # a run without parity and one with k1 r1 N1: parity's per-step share is theirs
+    one = costs_from_records({**base, step_name((1, 1, 1)): 0.112})
+    assert one["step_s"] == 0.100 and one["save_s"] == 3.0
+    assert one["parity_capture"] == pytest.approx(0.12) and one["parity_commit"] == 0.0
+    # at two commit intervals: split into the per-step and the per-commit part (0.04 + 0.08 / N)
+    two = costs_from_records({**base, step_name((1, 1, 1)): 0.112, step_name((1, 1, 4)): 0.106})
+    assert two["parity_capture"] == pytest.approx(0.04) and two["parity_commit"] == pytest.approx(0.08)
+    # parity steps alone: the step without parity is theirs less the default share; the share stays the default's
+    alone = costs_from_records({step_name((2, 1, 1)): 0.120})
+    assert alone["step_s"] == pytest.approx(0.120 / (1 + JobCosts.__dataclass_fields__["parity_capture"].default))
+    assert "parity_capture" not in alone
+    # a benchmark's measured share wins over the steps
+    assert costs_from_records({**base, step_name((1, 1, 1)): 0.2, "parity_capture": 0.05})["parity_capture"] == 0.05
