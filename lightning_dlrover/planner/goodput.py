@@ -75,6 +75,13 @@ class Estimate:
     step_s: float  # a training step with this setting
     failures_per_hour: float
     covered_share: float  # of failures, those parity recovers without a checkpoint
+    parity_bytes_per_rank: float = 0.0  # the parity a rank holds beside its own state: r / k of it
+
+    @property
+    def memory_share(self) -> float:
+        """Parity's memory as a share of a rank's state (``r / k``; 0 without parity)."""
+        c = self.candidate
+        return c.r / c.k if c.strategy != "checkpoint" else 0.0
 
     @property
     def checkpoint_every_steps(self) -> int | None:
@@ -163,7 +170,7 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
         waste += uncovered * (restart_from_checkpoint + (tau + costs.save_s) / 2)
     share = sum(rate for rate, _ in covered) / total if total else 1.0
     goodput = costs.step_s / step * kept * math.exp(-waste) * paid
-    return Estimate(candidate, goodput, tau, step, total * 3600, share)
+    return Estimate(candidate, goodput, tau, step, total * 3600, share, costs.state_bytes / world_size * r / k)
 
 
 def _remaining_start(start_s: float, rate: float) -> float:

@@ -168,3 +168,11 @@ def test_costs_from_a_jobs_own_step_records():
     assert "parity_capture" not in alone
     # a benchmark's measured share wins over the steps
     assert costs_from_records({**base, step_name((1, 1, 1)): 0.2, "parity_capture": 0.05})["parity_capture"] == 0.05
+
+
+def test_the_plan_counts_parity_memory():
+    e = estimate(Candidate("parity-restart", k=2, r=1, commit_every=4), costs(), ranks_only(), 4)
+    assert e.parity_bytes_per_rank == pytest.approx(costs().state_bytes / 4 / 2) and e.memory_share == 0.5
+    assert estimate(Candidate("checkpoint"), costs(), ranks_only(), 4).parity_bytes_per_rank == 0.0
+    plan = make_plan(costs(), ranks_only(), 4)
+    assert "parity GB/rank" in plan.table()
