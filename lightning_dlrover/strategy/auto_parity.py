@@ -28,8 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dlrover import control_plane, torchrec_glue, worker_env
-from lightning_dlrover.fault import ParityConfig
-from lightning_dlrover.fault.restart.spill import ensure_private_dir, spill_dir
+from lightning_dlrover.fault import FaultManager, ParityConfig
 from lightning_dlrover.monitor import emit
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.planner.job import OPTIMIZER_BYTES_PER_ROW, STEP_S_PER_RANK_SAMPLE, PlannedJob
@@ -96,8 +95,8 @@ def check(parity: Any, world_size: int, module: nn.Module | None = None) -> None
 
 def plan_path(trainer: pl.Trainer) -> Path:
     """Where this node records the run's pick: its spill directory, else the trainer's run directory."""
-    spills = spill_dir()
-    return (spills if spills is not None else Path(trainer.default_root_dir)) / PLAN_FILE
+    node = FaultManager.node_dir()
+    return (node if node is not None else Path(trainer.default_root_dir)) / PLAN_FILE
 
 
 def _fields(pick: ParityConfig | None) -> dict[str, int] | None:
@@ -120,8 +119,8 @@ def recorded_plan(path: Path) -> dict[str, Any] | None:
 def _record(path: Path, pick: ParityConfig | None, world_size: int) -> None:
     if not worker_env.run_id():
         return
-    if path.parent == spill_dir():
-        ensure_private_dir(path.parent)
+    if path.parent == FaultManager.node_dir():
+        FaultManager.node_dir(create=True)
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
