@@ -127,20 +127,29 @@ def spare_ready_at(events: list, moment: float) -> bool:
     return started is not None and any(started < e.time < moment for e in events if e.kind == "spare_ready")
 
 
-def spare_starts(args: argparse.Namespace, name: str) -> list[float]:
-    """Seconds from ``spares_started`` to the spare's ``spare_ready``, in a drill's fault-free run (the job's own start
-    of a spare, measured without failures)."""
+def spare_starts(args: argparse.Namespace, name: str) -> tuple[list[float], list[float]]:
+    """A spare's start: at idle priority (``spares_started`` to ``spare_ready`` in the drill's fault-free run; the run's
+    wall, ``inf``, when the spare never became ready in it) and at normal priority (in the drill, ``replacement_planned``
+    to ``spare_ready`` where the launcher promoted a spare still starting)."""
+    idle, promoted = [], []
     path = args.workdir / f"{name}.reference.events.jsonl"
-    if not path.is_file():
-        return []
-    events = read_events([path])
-    ready = [e.time for e in events if e.kind == "spare_ready"]
-    out = []
-    for start in (e.time for e in events if e.kind == "spares_started"):
-        up = next((t for t in ready if t > start), None)
-        if up is not None:
-            out.append(up - start)
-    return out
+    if path.is_file():
+        events = read_events([path])
+        ready = [e.time for e in events if e.kind == "spare_ready"]
+        for start in (e.time for e in events if e.kind == "spares_started"):
+            up = next((t for t in ready if t > start), None)
+            idle.append(up - start if up is not None else float("inf"))
+    path = args.workdir / f"{name}.events.jsonl"
+    if path.is_file():
+        events = read_events([path])
+        ready = [e.time for e in events if e.kind == "spare_ready"]
+        for plan in (e.time for e in events if e.kind == "replacement_planned"):
+            if not spare_ready_at(events, plan):
+                up = next((t for t in ready if t > plan), None)
+                restarted = any(plan < e.time < (up or plan) for e in events if e.kind == "restarting_all")
+                if up is not None and not restarted:
+                    promoted.append(up - plan)
+    return idle, promoted
 
 
 def downtime(args: argparse.Namespace, name: str) -> float:
@@ -169,7 +178,7 @@ def events_goodput(args: argparse.Namespace, facts: dict) -> float | None:
 
 
 def calibrated(mode: str, rate: float, times: dict[tuple[str, float], list[tuple[str, float]]],
-               spares: dict[tuple[str, float], list[float]]) -> tuple[dict[str, float], str]:
+               spares: dict[tuple[str, float], tuple[list[float], list[float]]]) -> tuple[dict[str, float], str]:
     """The recovery costs the planner uses for a drill: a restart of every worker (``restart_s``) and an in-process
     takeover (``in_process_s``), each the median of the *other* drills' clean recoveries of that kind, else the
     default measured here; and where each came from."""
@@ -186,10 +195,15 @@ def calibrated(mode: str, rate: float, times: dict[tuple[str, float], list[tuple
             out[key] = MEASURED_HERE[key]
             notes.append(f"{key} {out[key]:.1f} s (default)")
     if mode == "parity-in-process":  # launch re-spawns a used spare at once: it is up after its start
-        starts = [t for drill_key, found in spares.items() if drill_key[0] == mode for t in found]
-        out["spare_start_s"] = statistics.median(starts) if starts else 15.0
+        idle = [t for drill_key, (found, _) in spares.items() if drill_key[0] == mode for t in found]
+        promoted = [t for drill_key, (_, found) in spares.items() if drill_key[0] == mode for t in found]
+        out["spare_start_s"] = statistics.median(promoted) if promoted else 15.0
+        out["spare_idle_start_s"] = statistics.median(idle) if idle else None
         notes.append(f"spare_start_s {out['spare_start_s']:.1f} s ("
-                     + (f"{len(starts)} spare start(s) of the fault-free runs)" if starts else "none measured: assumed)"))
+                     + (f"{len(promoted)} promoted spare start(s) in the drills)" if promoted else "assumed)")
+                     + ", spare_idle_start_s " + ("as spare_start_s" if not idle else f"{out['spare_idle_start_s']:.1f} s"
+                     + f" ({len(idle)} idle start(s) of the fault-free runs: "
+                     + "/".join(f"{t:.1f}" if t != float("inf") else "never ready" for t in idle) + ")"))
     return out, ", ".join(notes)
 
 
@@ -229,7 +243,8 @@ def main() -> None:
                 print(f"{mode} at {rate:g}/min, seed {seed}: {facts['kills_landed']} kills landed, goodput "
                       f"{facts['goodput']:.3f} ({facts['bench_s']:.0f} s)", file=sys.stderr, flush=True)
     times = {key: [t for f in runs for t in recovery_times(args, f["name"])] for key, runs in drills.items()}
-    spares = {key: [t for f in runs for t in spare_starts(args, f["name"])] for key, runs in drills.items()}
+    spares = {key: tuple([t for f in runs for t in spare_starts(args, f["name"])[i]] for i in (0, 1))
+              for key, runs in drills.items()}
     rows = []
     for (mode, rate), every in drills.items():
         # every drill counts: one the job outran (it ended before its last kills) observed its wall with fewer kills,

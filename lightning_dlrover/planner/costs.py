@@ -54,9 +54,13 @@ class JobCosts:
         parity_capture / parity_commit: parity's per-step share at ``r = 1`` (see the module docs).
         launch_overhead: the share steps are slower under ``lightning-dlrover launch``.
         refill_hours: hours until a used hot spare is replaced.
-        spare_start_s: seconds a new spare process takes to start (imports) where ``launch`` re-spawns one at once
-            on the lost rank's device (CPU jobs; an event ``spare_ready`` after ``spares_started`` measures it);
-            ``inf`` (the default): a used spare waits ``refill_hours`` for a replacement machine.
+        spare_start_s: seconds a new spare process takes to start (imports) at normal priority, where ``launch``
+            re-spawns one at once on the lost rank's device (CPU jobs; ``replacement_planned`` to ``spare_ready``
+            of a spare handed a rank while starting measures it); ``inf`` (the default): a used spare waits
+            ``refill_hours`` for a replacement machine.
+        spare_idle_start_s: seconds the same start takes at the idle priority a waiting spare runs at (``spares_started``
+            to ``spare_ready`` in a run without failures); ``None``: as ``spare_start_s`` (idle cores to spare);
+            ``inf``: it never ends while the ranks and other programs keep the cores busy.
         sources: where each cost came from (``measured``, ``history``, ``default``).
     """
 
@@ -72,6 +76,7 @@ class JobCosts:
     launch_overhead: float = MEASURED_HERE["launch_overhead"]
     refill_hours: float = MEASURED_HERE["refill_hours"]
     spare_start_s: float = MEASURED_HERE["spare_start_s"]
+    spare_idle_start_s: float | None = None
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +89,8 @@ class JobCosts:
             _check(name, getattr(self, name))
         if self.spare_start_s != math.inf:
             _check("spare_start_s", self.spare_start_s)
+        if self.spare_idle_start_s not in (None, math.inf):
+            _check("spare_idle_start_s", self.spare_idle_start_s, allow_zero=False)
 
     @classmethod
     def estimate(cls, step_s: float, state_bytes: float, world_size: int, ranks_per_machine: int = 8,

@@ -21,9 +21,11 @@ Checkpoints every ``tau`` seconds of training cost ``C`` each, blocking.
   ranks out are Poisson with mean ``(lost ranks per hour) * refill_hours`` and a failure taking ``n`` ranks finds
   spares with probability ``P(Poisson <= S - n)``, else ``launch`` restarts every worker from the newest
   checkpoint (kept at Young's interval for those failures). Where ``launch`` starts a new spare process at once
-  (``spare_start_s`` finite: the lost rank's device can be used again, as on CPU) the refill takes
-  ``spare_start_s`` instead, and a failure that finds no spare ready waits for the one still starting (on
-  average ``T - 1/lambda + T / (exp(lambda * T) - 1)`` seconds, ``T = spare_start_s``) and recovers in process. A
+  (``spare_start_s`` finite: the lost rank's device can be used again, as on CPU) the refill takes ``T``, the
+  spare's start at idle priority (``spare_idle_start_s``), instead, and a failure that finds no spare ready
+  promotes the one still starting and waits for the rest of its start at normal priority (``P =
+  spare_start_s``): on average ``P / T * (T - 1/lambda + T / (exp(lambda * T) - 1))`` seconds (``P`` where the
+  idle start never ends, ``T`` infinite), then recovers in process. A
   failure inside an in-process recovery (share ``1 - exp(-lambda * R)``, ``R`` that recovery) makes ``launch``
   restart every worker from the newest checkpoint. The spares' time is paid for: ``G`` is multiplied by
   ``W / (W + S)``.
@@ -151,13 +153,15 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
         if spares < 1:
             raise ValueError(f"{candidate.label}: in-process recovery needs at least one hot spare.")
         respawn = math.isfinite(costs.spare_start_s)  # launch starts a new spare process at once
-        refill_s = costs.spare_start_s if respawn else costs.refill_hours * 3600.0
+        idle_s = costs.spare_start_s if costs.spare_idle_start_s is None else costs.spare_idle_start_s
+        refill_s = idle_s if respawn else costs.refill_hours * 3600.0
         out = (rank_rate + machine_rate * machine_ranks) * refill_s  # mean ranks waiting for a spare
         for rate, lost in covered:
             found = _poisson_cdf(spares - lost, out)
             recovery = costs.in_process_s + costs.decode_s * k
             if respawn:  # no spare ready: the one starting takes the rank when it is up
-                wait = _remaining_start(costs.spare_start_s, total)
+                wait = costs.spare_start_s if math.isinf(idle_s) else \
+                    costs.spare_start_s / idle_s * _remaining_start(idle_s, total)
                 recovery += (1 - found) * wait
                 found = 1.0
             inside = 1.0 - math.exp(-total * recovery)  # the next failure lands inside this recovery

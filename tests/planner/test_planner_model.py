@@ -176,3 +176,17 @@ def test_the_plan_counts_parity_memory():
     assert estimate(Candidate("checkpoint"), costs(), ranks_only(), 4).parity_bytes_per_rank == 0.0
     plan = make_plan(costs(), ranks_only(), 4)
     assert "parity GB/rank" in plan.table()
+
+
+def test_a_spare_that_never_starts_at_idle_priority_is_waited_for_at_every_failure():
+    # a loaded machine: the waiting spare's idle-priority start never ends; each failure promotes it and waits 12 s
+    c = JobCosts(step_s=1.0, state_bytes=1e9, save_s=10.0, load_s=5.0, restart_s=20.0, in_process_s=1.0, decode_s=0.0,
+                 parity_capture=0.0, parity_commit=0.0, launch_overhead=0.0, spare_start_s=12.0,
+                 spare_idle_start_s=math.inf)
+    failures = FailureModel.from_job_mtbf(1 / 30, 2, ranks_per_machine=2, machine_share=0.0)
+    e = estimate(Candidate("parity-in-process", k=1, r=1, commit_every=1, spares=1), c, failures, 2)
+    rate, recovery = 1 / 120, 1 + 12
+    inside = 1 - math.exp(-rate * recovery)
+    tau = math.sqrt(2 * 10 / (rate * inside))
+    waste = rate * (1 - inside) * (recovery + 0.5) + rate * inside * (20 + 5 + (tau + 10) / 2)
+    assert e.goodput == pytest.approx(tau / (tau + 10) * math.exp(-waste) * 2 / 3, rel=1e-9)
