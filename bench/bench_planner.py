@@ -10,10 +10,13 @@ are measured). The prediction is the planner's for the same job, mode and rate: 
 the costs the planner would use: the step time of the fault-free run, the state from the config, and the recovery
 times "from the events of earlier runs": each drill's clean recoveries (a kill to the next ``resumed`` event, no
 other kill between) calibrate the *other* drills (leave-one-out: a torchrun restart from the other torchrun mode's
-drill, an in-process takeover from other in-process drills, else ``MEASURED_HERE``), as ``G(rate) / G(0)``, at the
-kill rate the drill realised (kills landed over its wall time) and at the nominal one. Within 15% is the target.
+drill, an in-process takeover from other in-process drills, else ``MEASURED_HERE``) and, under ``launch``, the
+spare's start at idle priority (the fault-free run's ``spares_started`` to ``spare_ready``) and once promoted (the
+drills' ``replacement_planned`` to ``spare_ready``), as ``G(rate) / G(0)``, at the kill rate the drills realised
+(kills landed over their wall time, every drill pooled: one the job outran counts with the kills it got) and at the
+nominal one, with the load average beside. Within 15% is the target.
 
-    PYTHONPATH=. python bench/bench_planner.py --rates 4 --kills 3 --steps 400     # about 10 minutes on 2 cores
+    PYTHONPATH=. python bench/bench_planner.py --rates 4 --kills 3 --steps 600 --seeds 1 2   # ~30 min on 2 cores
 
 It needs ``chaos --kills`` with ``--kill-rate`` and ``--json`` (issue #23's drills); ``--chaos-path`` runs the
 chaos command of another checkout (its ``PYTHONPATH``), the planner stays this one's.
