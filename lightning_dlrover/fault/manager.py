@@ -48,7 +48,14 @@ from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot, dense_b
 from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
 from lightning_dlrover.fault.restart.renumber import renumber_nodes
 from lightning_dlrover.fault.restart.resume import fall_back, restore_failed_job
-from lightning_dlrover.fault.restart.spill import ProgressRecord, Spill, UnsafeSpillDir, spill_dir, write_spill
+from lightning_dlrover.fault.restart.spill import (
+    ProgressRecord,
+    Spill,
+    UnsafeSpillDir,
+    ensure_private_dir,
+    spill_dir,
+    write_spill,
+)
 from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import StepTimer, emit
 from lightning_dlrover.worker_env import under_torchrun
@@ -106,6 +113,13 @@ class FaultManager(CommitProtocol):
         if self.parity is None or not under_torchrun() or membership.enabled():
             return None
         return renumber_nodes(spill_dir(), node_rank, local_rank, local_world_size, timeout)
+
+    @staticmethod
+    def node_dir(create: bool = False) -> Path | None:
+        """This node's private directory of the run (its spill directory: it outlives a restart of every worker), made
+        if ``create``; ``None`` outside a launcher without ``$LIGHTNING_DLROVER_SPILL_DIR``."""
+        directory = spill_dir()
+        return ensure_private_dir(directory) if create and directory is not None else directory
 
     @staticmethod
     def joining() -> bool:

@@ -46,14 +46,18 @@ KINDS: dict[str, tuple[str, ...]] = {
     # verified: it equals a fresh encode (checked under $LIGHTNING_DLROVER_VERIFY_PARITY=1), None: not checked
     "parity_encoded": ("encode_s", "kept_parity", "encoded_ranks", "verified"),
     "fallback": ("why", "checkpoint", "failed_step", "steps_lost", "load_s"),  # checkpoint None: from step 0
-    "resumed": (),
-    "parity_planned": ("world_size", "parity", "mtbf_hours"),  # parity: auto's pick (parity None: checkpoints only)  # the first step committed after a restore or fallback
+    "resumed": (),  # the first step committed after a restore or fallback
+    # parity: auto's pick (parity None: checkpoints only); source "planned", or "recorded": a restarted incarnation or
+    # a replacement reuses the plan its run recorded (the spills it decodes were written with it)
+    "parity_planned": ("world_size", "parity", "mtbf_hours", "source", "measured"),  # measured: history costs used
+    "costs_measured": ("job_key", "costs"),  # parity: auto timed the job's steps and recorded them in the job history
     "digest": ("digest", "final"),
     # In-process recovery (lightning-dlrover launch): the launcher's plan, each rank's recovery, the fallbacks
     "replacement_planned": ("generation", "lost_ranks", "replacements", "cold"),
     # a launcher started hot spares (spare indices, their pids) after generation's first committed step (step), at
     # "idle" (SCHED_IDLE) or "normal" CPU priority (the message says why once)
     "spares_started": ("spares", "pids", "generation", "priority"),
+    "spare_ready": ("spare",),  # a hot spare finished starting (imports) and waits for a rank to take
     "recovered_in_process": ("survivor", "lost_ranks", "decode_s", "reshard_s", "lost_at", "failed_at",
                              "connected_at", "restored_at"),  # every rank; times are Unix seconds
     "in_process_refused": ("why", "error"),

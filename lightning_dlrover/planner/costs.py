@@ -29,6 +29,7 @@ MEASURED_HERE: dict[str, float] = {
     "parity_commit": 0.0,  # the part a commit every N steps divides by N
     "launch_overhead": 0.08,  # steps under `lightning-dlrover launch` against torchrun (chaos drills)
     "refill_hours": 1.0,  # assumed: hours until a lost rank's spare is replaced
+    "spare_start_s": math.inf,  # a spare is a machine: no process re-spawned at once (see JobCosts.spare_start_s)
 }
 
 
@@ -53,6 +54,13 @@ class JobCosts:
         parity_capture / parity_commit: parity's per-step share at ``r = 1`` (see the module docs).
         launch_overhead: the share steps are slower under ``lightning-dlrover launch``.
         refill_hours: hours until a used hot spare is replaced.
+        spare_start_s: seconds a new spare process takes to start (imports) at normal priority, where ``launch``
+            re-spawns one at once on the lost rank's device (CPU jobs; ``replacement_planned`` to ``spare_ready``
+            of a spare handed a rank while starting measures it); ``inf`` (the default): a used spare waits
+            ``refill_hours`` for a replacement machine.
+        spare_idle_start_s: seconds the same start takes at the idle priority a waiting spare runs at (``spares_started``
+            to ``spare_ready`` in a run without failures); ``None``: as ``spare_start_s`` (idle cores to spare);
+            ``inf``: it never ends while the ranks and other programs keep the cores busy.
         sources: where each cost came from (``measured``, ``history``, ``default``).
     """
 
@@ -67,6 +75,8 @@ class JobCosts:
     parity_commit: float = MEASURED_HERE["parity_commit"]
     launch_overhead: float = MEASURED_HERE["launch_overhead"]
     refill_hours: float = MEASURED_HERE["refill_hours"]
+    spare_start_s: float = MEASURED_HERE["spare_start_s"]
+    spare_idle_start_s: float | None = None
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +87,10 @@ class JobCosts:
         for name in ("save_s", "load_s", "restart_s", "in_process_s", "decode_s", "parity_capture", "parity_commit",
                      "launch_overhead", "refill_hours"):
             _check(name, getattr(self, name))
+        if self.spare_start_s != math.inf:
+            _check("spare_start_s", self.spare_start_s)
+        if self.spare_idle_start_s not in (None, math.inf):
+            _check("spare_idle_start_s", self.spare_idle_start_s, allow_zero=False)
 
     @classmethod
     def estimate(cls, step_s: float, state_bytes: float, world_size: int, ranks_per_machine: int = 8,
@@ -98,7 +112,8 @@ class JobCosts:
         if unknown:
             raise ValueError(f"unknown costs {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}.")
         sources = {name: "default" for name in ("save_s", "load_s", "decode_s", "restart_s", "in_process_s",
-                                                "parity_capture", "parity_commit", "launch_overhead", "refill_hours")}
+                                                "parity_capture", "parity_commit", "launch_overhead", "refill_hours",
+                                                "spare_start_s")}
         sources.update({name: "measured" for name in measured})
         values.update(measured)
         return cls(step_s=step_s, state_bytes=state_bytes, sources=sources, **values)

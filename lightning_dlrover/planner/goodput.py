@@ -20,8 +20,15 @@ Checkpoints every ``tau`` seconds of training cost ``C`` each, blocking.
   costs ``R_in_process + R_decode * k + N * t / 2`` while spares last; lost ranks wait ``refill_hours`` for a replacement, so the
   ranks out are Poisson with mean ``(lost ranks per hour) * refill_hours`` and a failure taking ``n`` ranks finds
   spares with probability ``P(Poisson <= S - n)``, else ``launch`` restarts every worker from the newest
-  checkpoint (kept at Young's interval for those failures). The spares' time is paid for: ``G`` is multiplied
-  by ``W / (W + S)``.
+  checkpoint (kept at Young's interval for those failures). Where ``launch`` starts a new spare process at once
+  (``spare_start_s`` finite: the lost rank's device can be used again, as on CPU) the refill takes ``T``, the
+  spare's start at idle priority (``spare_idle_start_s``), instead, and a failure that finds no spare ready
+  promotes the one still starting and waits for the rest of its start at normal priority (``P =
+  spare_start_s``): on average ``P / T * (T - 1/lambda + T / (exp(lambda * T) - 1))`` seconds (``P`` where the
+  idle start never ends, ``T`` infinite), then recovers in process. A
+  failure inside an in-process recovery (share ``1 - exp(-lambda * R)``, ``R`` that recovery) makes ``launch``
+  restart every worker from the newest checkpoint. The spares' time is paid for: ``G`` is multiplied by
+  ``W / (W + S)``.
 
 All times in seconds; the costs are :class:`~.costs.JobCosts`.
 """
@@ -70,6 +77,13 @@ class Estimate:
     step_s: float  # a training step with this setting
     failures_per_hour: float
     covered_share: float  # of failures, those parity recovers without a checkpoint
+    parity_bytes_per_rank: float = 0.0  # the parity a rank holds beside its own state: r / k of it
+
+    @property
+    def memory_share(self) -> float:
+        """Parity's memory as a share of a rank's state (``r / k``; 0 without parity)."""
+        c = self.candidate
+        return c.r / c.k if c.strategy != "checkpoint" else 0.0
 
     @property
     def checkpoint_every_steps(self) -> int | None:
@@ -138,11 +152,21 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
         spares = candidate.spares
         if spares < 1:
             raise ValueError(f"{candidate.label}: in-process recovery needs at least one hot spare.")
-        out = (rank_rate + machine_rate * machine_ranks) * 3600.0 * costs.refill_hours  # mean ranks waiting
+        respawn = math.isfinite(costs.spare_start_s)  # launch starts a new spare process at once
+        idle_s = costs.spare_start_s if costs.spare_idle_start_s is None else costs.spare_idle_start_s
+        refill_s = idle_s if respawn else costs.refill_hours * 3600.0
+        out = (rank_rate + machine_rate * machine_ranks) * refill_s  # mean ranks waiting for a spare
         for rate, lost in covered:
             found = _poisson_cdf(spares - lost, out)
-            waste += rate * found * (costs.in_process_s + costs.decode_s * k + lost_work)
-            uncovered += rate * (1 - found)  # no spare free: launch restarts every worker from the checkpoint
+            recovery = costs.in_process_s + costs.decode_s * k
+            if respawn:  # no spare ready: the one starting takes the rank when it is up
+                wait = costs.spare_start_s if math.isinf(idle_s) else \
+                    costs.spare_start_s / idle_s * _remaining_start(idle_s, total)
+                recovery += (1 - found) * wait
+                found = 1.0
+            inside = 1.0 - math.exp(-total * recovery)  # the next failure lands inside this recovery
+            waste += rate * found * (1 - inside) * (recovery + lost_work)
+            uncovered += rate * (1 - found * (1 - inside))  # launch restarts every worker from the checkpoint
         paid = world_size / (world_size + spares)
         step *= 1.0 + costs.launch_overhead
     tau, kept = _checkpointing(costs.save_s, uncovered, step, checkpoint_every_s if uncovered else None)
@@ -150,7 +174,16 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
         waste += uncovered * (restart_from_checkpoint + (tau + costs.save_s) / 2)
     share = sum(rate for rate, _ in covered) / total if total else 1.0
     goodput = costs.step_s / step * kept * math.exp(-waste) * paid
-    return Estimate(candidate, goodput, tau, step, total * 3600, share)
+    return Estimate(candidate, goodput, tau, step, total * 3600, share, costs.state_bytes / world_size * r / k)
+
+
+def _remaining_start(start_s: float, rate: float) -> float:
+    """The mean rest of a spare's start of ``start_s`` seconds, begun at the previous failure, at the next failure
+    (Poisson at ``rate``) when that comes before the spare is up."""
+    x = rate * start_s
+    if x < 1e-6:
+        return start_s / 2
+    return start_s - 1.0 / rate + start_s / math.expm1(x)
 
 
 def _poisson_cdf(n: int, mean: float) -> float:

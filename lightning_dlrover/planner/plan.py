@@ -69,7 +69,7 @@ class Plan:
     def table(self, top: int = 12) -> str:
         """The best of each strategy, then the ``top`` candidates overall, as text."""
         head = (f"{'strategy':<20}{'k':>3}{'r':>3}{'commit N':>9}{'spares':>7}{'goodput':>9}{'ckpt every':>12}"
-                f"{'ckpt steps':>11}{'step s':>8}{'covered':>8}")
+                f"{'ckpt steps':>11}{'step s':>8}{'covered':>8}{'parity GB/rank':>15}")
         lines = [head, "-" * len(head)]
         shown = [e for e in (self.best_of(s) for s in STRATEGIES) if e is not None]
         shown += [e for e in self.estimates[:top] if e not in shown]
@@ -81,7 +81,8 @@ class Plan:
             mark = "  <- pick" if e is self.best else ""
             lines.append(f"{c.strategy:<20}{c.k if parity else '-':>3}{c.r if parity else '-':>3}"
                          f"{c.commit_every if parity else '-':>9}{c.spares if c.spares else '-':>7}{e.goodput:>9.4f}"
-                         f"{every:>12}{steps:>11}{e.step_s:>8.3f}{e.covered_share:>8.0%}{mark}")
+                         f"{every:>12}{steps:>11}{e.step_s:>8.3f}{e.covered_share:>8.0%}"
+                         f"{e.parity_bytes_per_rank / 1e9 if parity else 0:>15.3f}{mark}")
         return "\n".join(lines)
 
 

@@ -22,12 +22,62 @@ def read_failures(history: str) -> tuple[int, float]:
         db.close()
 
 
+def step_name(parity: tuple[int, int, int] | None) -> str:
+    """The history's name of a step time measured with ``parity`` ``(k, r, N)`` (``None``: without parity)."""
+    return "step_s" if parity is None else "step_s_k{}r{}n{}".format(*parity)
+
+
+def _parity_steps(recorded: dict[str, float]) -> dict[tuple[int, int, int], float]:
+    out = {}
+    for name, value in recorded.items():
+        if name.startswith("step_s_k"):
+            k, rest = name[len("step_s_k"):].split("r", 1)
+            r, n = rest.split("n", 1)
+            out[int(k), int(r), int(n)] = value
+    return out
+
+
+def costs_from_records(recorded: dict[str, float]) -> dict[str, float]:
+    """The planner's costs from a job's records (:class:`JobCosts` field names, and ``step_s``). Step times the job
+    measured on itself (:func:`step_name`) give the step without parity and parity's per-step share: with steps
+    without parity and with parity ``r`` at two or more commit intervals, :meth:`JobCosts.fit_parity`; at one, that
+    share all per step; with parity steps alone, the step without parity is theirs less the default share."""
+    known = set(JobCosts.__dataclass_fields__) - {"state_bytes", "sources"}
+    out = {name: value for name, value in recorded.items() if name in known}
+    with_parity = _parity_steps(recorded)
+    if not with_parity or {"parity_capture", "parity_commit"} & set(recorded):
+        return out  # no parity steps, or parity's share itself was measured (bench_fault_tolerance.py)
+    r = max({r for _, r, _ in with_parity}, key=lambda r: sum(key[1] == r for key in with_parity))
+    steps = {n: value for (_, rr, n), value in with_parity.items() if rr == r}
+    if "step_s" not in out:
+        n, value = min(steps.items())
+        share = r * (JobCosts.__dataclass_fields__["parity_capture"].default
+                     + JobCosts.__dataclass_fields__["parity_commit"].default / n)
+        out["step_s"] = value / (1 + share)
+        return out
+    if len(steps) >= 2:
+        out["parity_capture"], out["parity_commit"] = JobCosts.fit_parity(out["step_s"], steps, r)
+    else:
+        [(n, value)] = steps.items()
+        out["parity_capture"], out["parity_commit"] = max(value / out["step_s"] - 1, 0.0) / r, 0.0
+    return out
+
+
 def read_costs(history: str, job_key: str) -> dict[str, float]:
-    """The newest measured costs of ``job_key`` (:class:`JobCosts` field names, and ``step_s``)."""
+    """The newest measured costs of ``job_key`` (:class:`JobCosts` field names, and ``step_s``; see
+    :func:`costs_from_records`)."""
     db = _open(history)
     try:
-        known = set(JobCosts.__dataclass_fields__) - {"state_bytes", "sources"}
-        return {name: value for name, value in db.costs(job_key).items() if name in known}
+        return costs_from_records(db.costs(job_key))
+    finally:
+        db.close()
+
+
+def record_costs(history: str, job_key: str, values: dict[str, float]) -> None:
+    """Adds costs measured on a run of ``job_key`` to ``history`` (the newest of each name wins)."""
+    db = _open(history)
+    try:
+        db.add_costs(job_key, values)
     finally:
         db.close()
 

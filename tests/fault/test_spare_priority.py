@@ -119,30 +119,39 @@ if not os.environ.get("LIGHTNING_DLROVER_SPARE"):
     time.sleep(30)
     sys.exit(0)
 out = sys.argv[1]
-with open(out + ".waiting", "w") as f:
-    json.dump(os.sched_getscheduler(0), f)
-deadline = time.monotonic() + 60  # still "importing": it never reaches take_rank_if_spare before it is handed a rank
-while os.sched_getscheduler(0) == os.SCHED_IDLE and time.monotonic() < deadline:
-    time.sleep(0.01)
-with open(out + ".promoted", "w") as f:
-    json.dump(os.sched_getscheduler(0), f)
+def policies():
+    return sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")})
+with open(out + ".starting", "w") as f:  # its imports would run now, at the priority it was started with
+    json.dump(policies(), f)
+while not os.path.exists(out + ".go"):
+    time.sleep(0.05)
+with open(out + ".started", "w") as f:
+    json.dump(policies(), f)
 """
 
 
-def test_a_spare_handed_a_rank_while_still_starting_is_promoted_by_the_launcher(supervisor, tmp_path):
-    """On a busy machine a ``SCHED_IDLE`` spare may not have finished importing when it is handed a rank (measured: one
-    starved for 168 s while four other jobs kept both cores busy); the launcher lifts its priority when it hands it
-    the rank, so the rest of its start-up runs at the ranks' priority."""
-    if priority.can_restore() is not None:
-        pytest.skip(f"spares start at normal priority here: {priority.can_restore()}")
-    still = Supervisor(dataclasses.replace(supervisor.args, program=["-c", STILL_STARTING, str(tmp_path / "spare")]),
-                       supervisor.store, "test-still-starting")
+def test_a_spare_handed_a_rank_while_still_starting_finishes_its_start_at_normal_priority(tmp_path, monkeypatch):
+    """The launcher hands the lost rank to a spare that has not finished starting: it promotes the spare itself, so
+    the rest of the start-up (imports) does not wait at ``SCHED_IDLE`` for cores other programs keep busy."""
+    refused = priority.can_restore()
+    if refused is not None:
+        pytest.skip(f"spares start at normal priority here: {refused}")
+    monkeypatch.setenv("LIGHTNING_DLROVER_EVENTS", str(tmp_path / "events.jsonl"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store, sock = serve_store(f"127.0.0.1:{port}")
+    config = SupervisorConfig(program=["-c", STILL_STARTING, str(tmp_path / "spare")], nproc_per_node=1, spares=1,
+                              master=f"127.0.0.1:{port}")
+    machine = Supervisor(config, store, "test-still-starting")
     try:
-        still.start()
-        membership.publish_committed(still.store, 0, 0, 1)
-        still.start_spares()
-        assert wait_for(tmp_path / "spare.waiting") == os.SCHED_IDLE
-        still.replace([0])
-        assert wait_for(tmp_path / "spare.promoted") == os.SCHED_OTHER
+        machine.start()
+        membership.publish_committed(machine.store, 0, 0, 1)
+        machine.start_spares()
+        assert wait_for(tmp_path / "spare.starting") == [os.SCHED_IDLE]
+        machine.replace([0])  # the rank is lost while the spare is still starting
+        (tmp_path / "spare.go").write_text("")
+        assert wait_for(tmp_path / "spare.started") == [os.SCHED_OTHER]
     finally:
-        still.stop()
+        machine.stop()
+        sock.close()

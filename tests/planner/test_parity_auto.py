@@ -3,6 +3,7 @@ is refused before any rank starts."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from lightning_dlrover.advisor.history import JobHistory, resolve_url
@@ -69,3 +70,119 @@ def test_parity_auto_is_refused_before_ranks_start(tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stdout, bad.stdout[-3000:]
     assert "LIGHTNING_DLROVER_MTBF_HOURS=-3.0: the job's mean time between failures must be > 0 hours" in bad.stdout
     assert "Initializing distributed" not in bad.stdout, bad.stdout[-3000:]
+
+
+def test_a_restarted_incarnation_keeps_the_parity_its_run_planned(tmp_path):
+    """``torchrun`` restarts both ranks after rank 1 dies at step 8. Between the two incarnations the job history
+    changed (here: checkpoints became cheap, so a fresh plan would pick checkpoints only): the restarted incarnation
+    keeps the parity the first one planned and recorded, and decodes rank 1's state from the spills written with it."""
+    import sys
+    import threading
+    import time
+
+    from lightning_dlrover.cli.chaos import STORE_ENV
+    from lightning_dlrover.fault.injector import FAULT_ENV
+    from tests.conftest import REPO, start
+    from tests.fault.test_in_process import free_port
+
+    tables = tuple((300, 8) for _ in range(4))  # tests/scripts/user_model.py's; no data module: the 4096 default batch
+    key = PlannedJob(tables, 2, 1, 4096).key()
+    history = tmp_path / "history.sqlite"
+    db = JobHistory(resolve_url(history))
+    db.add_costs(key, {"save_s": 30.0, "load_s": 10.0})  # slow checkpoints: parity pays at one failure in 3 minutes
+    db.close()
+    events = tmp_path / "events.jsonl"
+    env = {"LIGHTNING_DLROVER_MTBF_HOURS": "0.05", "LIGHTNING_DLROVER_HISTORY": str(history),
+           "LIGHTNING_DLROVER_EVENTS": str(events), "LIGHTNING_DLROVER_SPILL_DIR": str(tmp_path / "spills"),
+           FAULT_ENV: "rank=1,step=8,phase=after_optimizer", **STORE_ENV}
+    proc = start([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
+                  "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                  "--rdzv-id=keeps-parity", str(REPO / "tests" / "scripts" / "user_model.py"), "--steps", "12",
+                  "--root", str(tmp_path / "run"), "--parity", "auto"], tmp_path, env)
+
+    def cheapen_checkpoints() -> None:  # once the first incarnation planned, before it fails at step 8
+        while proc.poll() is None:
+            if events.is_file() and any(e.kind == "parity_planned" for e in read_events([events])):
+                db = JobHistory(resolve_url(history))
+                db.add_costs(key, {"save_s": 1e-4, "load_s": 1e-4})
+                db.close()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=cheapen_checkpoints)
+    watcher.start()
+    try:
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+        watcher.join()
+    assert proc.returncode == 0, out[-4000:]
+    state = sum(r * (d * 4 + OPTIMIZER_BYTES_PER_ROW) for r, d in tables)
+    step_s = STEP_S_PER_RANK_SAMPLE * 4096 / 2
+    first = ParityConfig.auto(2, state, step_s, ranks_per_machine=2, mtbf_hours=0.05,
+                              measured={"save_s": 30.0, "load_s": 10.0})
+    assert first is not None
+    assert ParityConfig.auto(2, state, step_s, ranks_per_machine=2, mtbf_hours=0.05,
+                             measured={"save_s": 1e-4, "load_s": 1e-4}) is None  # what a fresh plan picks now
+    found = read_events([events])
+    planned = [(e["parity"], e["source"]) for e in found if e.kind == "parity_planned"]
+    fields = {"k": first.k, "r": first.r, "commit_every_n_steps": first.commit_every_n_steps}
+    assert planned == [(fields, "planned"), (fields, "recorded")], planned
+    restored = [e.fields["lost_ranks"] for e in found if e.kind == "restored"]
+    assert restored == [[1]], [e.kind for e in found]
+    assert "parity: auto kept the pick its run recorded" in out
+
+
+def test_an_in_process_replacement_codes_with_the_runs_recorded_parity(tmp_path):
+    """Under ``lightning-dlrover launch`` a hot spare takes rank 1 in process: it reads the pick the run recorded (the
+    survivors are in ``fit``, no collective to plan with) and the job ends."""
+    from tests.fault.test_in_process import launch
+
+    tables = tuple((300, 8) for _ in range(4))
+    history = tmp_path / "history.sqlite"
+    db = JobHistory(resolve_url(history))
+    db.add_costs(PlannedJob(tables, 2, 1, 4096).key(), {"save_s": 30.0, "load_s": 10.0})
+    db.close()
+    env = {"LIGHTNING_DLROVER_MTBF_HOURS": "0.05", "LIGHTNING_DLROVER_HISTORY": str(history),
+           "LIGHTNING_DLROVER_SPILL_DIR": str(tmp_path / "spills")}
+    _, found, out = launch(tmp_path, "auto", "--spares", "1", "--run-id", "auto-in-process",
+                           fault="rank=1,step=5,phase=after_optimizer", script_args=["--parity", "auto"], env=env)
+    planned = [(e.rank, e["parity"], e["source"]) for e in found if e.kind == "parity_planned"]
+    fields = {"k": 1, "r": 1, "commit_every_n_steps": 1}
+    assert planned == [(0, fields, "planned"), (1, fields, "recorded")], planned
+    assert {e.rank for e in found if e.kind == "recovered_in_process"} == {0, 1}, [e.kind for e in found]
+    assert "this replacement kept the pick its run recorded" in out
+
+
+def test_parity_auto_measures_the_job_and_the_next_run_plans_with_it(tmp_path):
+    """With a job history and nothing measured in it, ``parity: auto`` plans from the defaults, times the run's first
+    steps and records them; the next run of the same job plans with its own step time."""
+    history = tmp_path / "history.sqlite"
+    env = {"LIGHTNING_DLROVER_MTBF_HOURS": "0.05", "LIGHTNING_DLROVER_HISTORY": str(history)}
+    config = yaml.safe_load(open(_config(tmp_path, 2)))
+    config["trainer"]["max_steps"] = 10
+    path = tmp_path / "job10.yaml"
+    path.write_text(yaml.safe_dump(config))
+    key = PlannedJob(tuple((r, DIM) for r in ROWS), 2, 1, BATCH).key()
+    runs, recorded = [], []
+    for _ in range(2):
+        out = run(["-m", "lightning_dlrover", "fit", "--config", str(path)], tmp_path, env=env, timeout=240)
+        assert out.returncode == 0, out.stdout[-4000:]
+        runs.append(read_events([tmp_path / "run" / "dlrover_events.jsonl"]))
+        (tmp_path / "run" / "dlrover_events.jsonl").unlink()
+        db = JobHistory(resolve_url(history))
+        recorded.append(db.costs(key))
+        db.close()
+    first, second = ([e for e in events if e.kind == "parity_planned"] for events in runs)
+    assert first[0]["measured"] == {}  # nothing recorded yet: the defaults
+    [measured] = [e for e in runs[0] if e.kind == "costs_measured"]
+    assert measured["job_key"] == key
+    parity = first[0]["parity"]
+    name = "step_s" if parity is None else "step_s_k{k}r{r}n{commit_every_n_steps}".format(**parity)
+    assert set(measured["costs"]) == {name, name.replace("step_s", "cpu_s")}
+    assert all(v > 0 for v in measured["costs"].values())
+    from lightning_dlrover.planner.records import costs_from_records
+
+    assert recorded[0] == pytest.approx(measured["costs"], abs=1e-6)
+    assert second[0]["measured"] == pytest.approx(costs_from_records(recorded[0]))
+    assert second[0]["measured"]["step_s"] > 0  # the second run's plan used the job's own step time

@@ -76,11 +76,30 @@ def test_parity_in_process_goodput_by_hand():
     step = 1.045
     found = math.exp(-0.1)  # ranks out of service: Poisson of mean 0.1 failures/h * 1 h; a spare is free if none
     rate = 1 / 36000
-    # no spare free: launch restarts every worker from the newest checkpoint, kept at Young's interval for those
-    tau = math.sqrt(2 * 10 / (rate * (1 - found)))
-    waste = rate * found * (1 + 2 * 2 + 4 * step / 2) + rate * (1 - found) * (20 + 5 + (tau + 10) / 2)
+    inside = 1 - math.exp(-rate * (1 + 2 * 2))  # the next failure lands inside the 5 s recovery: launch restarts
+    in_process = found * (1 - inside)
+    # no spare free (or a failure inside the recovery): launch restarts every worker from the newest checkpoint, kept
+    # at Young's interval for those
+    tau = math.sqrt(2 * 10 / (rate * (1 - in_process)))
+    waste = rate * in_process * (1 + 2 * 2 + 4 * step / 2) + rate * (1 - in_process) * (20 + 5 + (tau + 10) / 2)
     assert e.checkpoint_every_s == pytest.approx(tau)
     assert e.goodput == pytest.approx((1 / step) * tau / (tau + 10) * math.exp(-waste) * 4 / 5, rel=1e-9)  # spare paid
+
+
+def test_parity_in_process_with_spares_respawned_at_once_by_hand():
+    # launch re-spawns a used spare at once (CPU): 60 s to start it; failures every 2 minutes (rate 1/120 per s)
+    c = JobCosts(step_s=1.0, state_bytes=1e9, save_s=10.0, load_s=5.0, restart_s=20.0, in_process_s=1.0, decode_s=0.0,
+                 parity_capture=0.0, parity_commit=0.0, launch_overhead=0.0, spare_start_s=60.0)
+    failures = FailureModel.from_job_mtbf(1 / 30, 2, ranks_per_machine=2, machine_share=0.0)
+    e = estimate(Candidate("parity-in-process", k=1, r=1, commit_every=1, spares=1), c, failures, 2)
+    rate = 1 / 120
+    found = math.exp(-rate * 60)  # the spare started after the previous failure is up
+    wait = 60 - 120 + 60 / math.expm1(0.5)  # else the rest of its start, on average
+    recovery = 1 + (1 - found) * wait
+    inside = 1 - math.exp(-rate * recovery)
+    tau = math.sqrt(2 * 10 / (rate * inside))
+    waste = rate * (1 - inside) * (recovery + 0.5) + rate * inside * (20 + 5 + (tau + 10) / 2)
+    assert e.goodput == pytest.approx(tau / (tau + 10) * math.exp(-waste) * 2 / 3, rel=1e-9)
 
 
 @pytest.mark.parametrize("world, per_machine, k, r", [(16, 8, 2, 1), (16, 8, 1, 1), (32, 8, 2, 2), (32, 8, 3, 1),
@@ -130,3 +149,44 @@ def test_fit_parity_recovers_capture_and_commit():
 def test_bad_input_is_a_clear_error(make, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
         make()
+
+
+def test_costs_from_a_jobs_own_step_records():
+    from lightning_dlrover.planner.records import costs_from_records, step_name
+
+    base = {step_name(None): 0.100, "save_s": 3.0}
+    # a run without parity and one with k1 r1 N1: parity's per-step share is theirs
+    one = costs_from_records({**base, step_name((1, 1, 1)): 0.112})
+    assert one["step_s"] == 0.100 and one["save_s"] == 3.0
+    assert one["parity_capture"] == pytest.approx(0.12) and one["parity_commit"] == 0.0
+    # at two commit intervals: split into the per-step and the per-commit part (0.04 + 0.08 / N)
+    two = costs_from_records({**base, step_name((1, 1, 1)): 0.112, step_name((1, 1, 4)): 0.106})
+    assert two["parity_capture"] == pytest.approx(0.04) and two["parity_commit"] == pytest.approx(0.08)
+    # parity steps alone: the step without parity is theirs less the default share; the share stays the default's
+    alone = costs_from_records({step_name((2, 1, 1)): 0.120})
+    assert alone["step_s"] == pytest.approx(0.120 / (1 + JobCosts.__dataclass_fields__["parity_capture"].default))
+    assert "parity_capture" not in alone
+    # a benchmark's measured share wins over the steps
+    assert costs_from_records({**base, step_name((1, 1, 1)): 0.2, "parity_capture": 0.05})["parity_capture"] == 0.05
+
+
+def test_the_plan_counts_parity_memory():
+    e = estimate(Candidate("parity-restart", k=2, r=1, commit_every=4), costs(), ranks_only(), 4)
+    assert e.parity_bytes_per_rank == pytest.approx(costs().state_bytes / 4 / 2) and e.memory_share == 0.5
+    assert estimate(Candidate("checkpoint"), costs(), ranks_only(), 4).parity_bytes_per_rank == 0.0
+    plan = make_plan(costs(), ranks_only(), 4)
+    assert "parity GB/rank" in plan.table()
+
+
+def test_a_spare_that_never_starts_at_idle_priority_is_waited_for_at_every_failure():
+    # a loaded machine: the waiting spare's idle-priority start never ends; each failure promotes it and waits 12 s
+    c = JobCosts(step_s=1.0, state_bytes=1e9, save_s=10.0, load_s=5.0, restart_s=20.0, in_process_s=1.0, decode_s=0.0,
+                 parity_capture=0.0, parity_commit=0.0, launch_overhead=0.0, spare_start_s=12.0,
+                 spare_idle_start_s=math.inf)
+    failures = FailureModel.from_job_mtbf(1 / 30, 2, ranks_per_machine=2, machine_share=0.0)
+    e = estimate(Candidate("parity-in-process", k=1, r=1, commit_every=1, spares=1), c, failures, 2)
+    rate, recovery = 1 / 120, 1 + 12
+    inside = 1 - math.exp(-rate * recovery)
+    tau = math.sqrt(2 * 10 / (rate * inside))
+    waste = rate * (1 - inside) * (recovery + 0.5) + rate * inside * (20 + 5 + (tau + 10) / 2)
+    assert e.goodput == pytest.approx(tau / (tau + 10) * math.exp(-waste) * 2 / 3, rel=1e-9)

@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--manual", action="store_true")
     parser.add_argument("--collection", action="store_true", help="EmbeddingCollection tables with SGD")
-    parser.add_argument("--parity", default="1,1", help="k,r[,commit_every_n_steps[,overlap 0|1]] or 'none'")
+    parser.add_argument("--parity", default="1,1", help="k,r[,commit_every_n_steps[,overlap 0|1]], 'auto' or 'none'")
     parser.add_argument("--plain-loader", action="store_true", help="a DataLoader over an IterableDataset, no state_dict")
     parser.add_argument("--ckpt-every", type=int, default=0)
     parser.add_argument("--init-log", default=None, help="tables initialised by an init_fn that logs its pid here")
@@ -181,7 +181,7 @@ def main() -> None:
                         help="Trainer.save_checkpoint(PATH) after fit (repeatable)")
     args = parser.parse_args()
     pl.seed_everything(11)
-    parity = None if args.parity == "none" else ParityConfig.parse(args.parity)
+    parity = None if args.parity == "none" else "auto" if args.parity == "auto" else ParityConfig.parse(args.parity)
     callbacks = []
     if args.ckpt_every:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.root, "checkpoints"),

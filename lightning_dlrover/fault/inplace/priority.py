@@ -117,33 +117,33 @@ def restore() -> str | None:
     return None
 
 
-def promote(pid: int) -> str | None:
-    """From the launcher: puts every thread of spare ``pid`` back under ``SCHED_OTHER`` and its autogroup at nice 0
-    the moment it is handed a rank; ``None``, or why not (the spare then does it itself, see :func:`restore`).
+def _raise_nice_limit() -> None:
+    """Raises the soft ``RLIMIT_NICE`` to the hard one (the kernel checks the soft limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NICE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NICE, (hard, hard))
 
-    A spare still importing when it is handed a rank (on a busy machine ``SCHED_IDLE`` may never let it run) would
-    otherwise finish its start-up at idle priority while the survivors wait for it."""
+
+def promote(pid: int) -> str | None:
+    """From the launcher: puts every thread of process ``pid`` (a spare just handed a rank) under ``SCHED_OTHER`` and
+    its autogroup at nice 0; ``None``, or why not. A spare handed a rank while it is still starting would otherwise
+    finish its imports at the lowest priority, and on a machine whose cores other programs keep busy (the survivors
+    only wait for it) that start-up may take minutes; the spare's own :func:`restore` comes only after it."""
+    set_group_nice(pid, 0)
     if not hasattr(os, "SCHED_IDLE"):
         return None
-    if (group_nice(pid) or 0) > 0:
-        set_group_nice(pid, 0, tries=1)
     try:
+        _, hard = resource.prlimit(pid, resource.RLIMIT_NICE)
+        resource.prlimit(pid, resource.RLIMIT_NICE, (hard, hard))  # the kernel checks the target's soft limit
         threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
+    except (OSError, ValueError):
         threads = [pid]
     for tid in threads:
         try:
             if os.sched_getscheduler(tid) == os.SCHED_IDLE:
                 os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
         except ProcessLookupError:
-            continue  # a thread that ended meanwhile (or the spare itself)
+            continue
         except OSError as err:
             return f"the OS refused SCHED_OTHER ({err})"
     return None
-
-
-def _raise_nice_limit() -> None:
-    """Raises the soft ``RLIMIT_NICE`` to the hard one (the kernel checks the soft limit)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NICE)
-    if soft != hard:
-        resource.setrlimit(resource.RLIMIT_NICE, (hard, hard))

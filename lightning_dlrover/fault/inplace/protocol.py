@@ -129,6 +129,7 @@ def take_rank_if_spare() -> membership.Assignment | None:
     if not index:
         return None
     store = membership.connect()
+    emit("spare_ready", spare=int(index), message=f"hot spare {index} started and waits for a rank")
     assignment = membership.wait_for_assignment(store, restart_count(), int(index))
     if (refused := priority.restore()) is not None:  # the launcher started it at the lowest CPU priority
         log.warning(f"the spare taking rank {assignment.rank} keeps the lowest CPU priority: {refused}")

@@ -218,7 +218,8 @@ class Supervisor:
         for rank in sorted(lost):
             if idle:
                 spare = idle.pop(0)
-                priority.promote(spare.process.pid)  # a spare still importing must not finish at idle priority
+                if self._priority_refused is None:  # it may still be starting: at its idle priority, maybe for minutes
+                    priority.promote(spare.process.pid)
             else:  # no hot spare left: a new process takes the rank (it imports everything first)
                 cold.append(rank)
                 spare = self.spawn(None, 0)
