@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torch import nn
+    from torch import Tensor, nn
 
 
 #: The TorchRec collections whose tables :func:`embedding_tables` lists (``TableInfo.kind``).
@@ -133,6 +133,22 @@ def fused_embedding_kernels(module: nn.Module) -> list[nn.Module]:
         for kernel in getattr(lookup, "_emb_modules", [])
         if hasattr(kernel, "split_embedding_weights") and hasattr(getattr(kernel, "emb_module", None), "split_optimizer_states")
     ]
+
+
+def kernel_input_ids(kernel: nn.Module, features: Any) -> list[Tensor]:
+    """The ids each table of fused ``kernel`` looks up in ``features`` (the ``KeyedJaggedTensor`` its forward takes),
+    one tensor per table in ``kernel.config.embedding_tables`` order: the rows a training step will update.
+
+    Reach: the kernel's ``config`` (a ``GroupedEmbeddingConfig``) is what orders the input's keys by table."""
+    import torch
+
+    values = features.values().split(features.length_per_key())  # keys follow the tables' features
+    ids, position = [], 0
+    for table in kernel.config.embedding_tables:
+        count = len(table.feature_names)
+        ids.append(values[position] if count == 1 else torch.cat(values[position : position + count]))
+        position += count
+    return ids
 
 
 def set_fused_learning_rate(optimizer: Any) -> None:

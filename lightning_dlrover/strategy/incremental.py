@@ -28,7 +28,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from lightning_dlrover import control_plane
 from lightning_dlrover.checkpoint import incremental
 from lightning_dlrover.checkpoint.sharded import flatten
-from lightning_dlrover.torchrec_glue import fused_embedding_kernels
+from lightning_dlrover.torchrec_glue import fused_embedding_kernels, kernel_input_ids
 
 
 class RowTracker:
@@ -59,13 +59,8 @@ class RowTracker:
         def hook(module: nn.Module, args: tuple) -> None:
             if not torch.is_grad_enabled() or not module.training:
                 return
-            values = args[0].values().split(args[0].length_per_key())  # keys follow the tables' features
-            position = 0
-            for t, table in enumerate(kernel.config.embedding_tables):
-                count = len(table.feature_names)
-                for ids in values[position: position + count]:
-                    self.masks[first + t].index_fill_(0, ids.to(torch.int64), True)
-                position += count
+            for t, ids in enumerate(kernel_input_ids(kernel, args[0])):
+                self.masks[first + t].index_fill_(0, ids.to(torch.int64), True)
 
         return hook
 

@@ -23,7 +23,7 @@ from lightning_dlrover import control_plane
 from lightning_dlrover.checkpoint.sharded import flatten
 from lightning_dlrover.fault.coding.undo_log import UndoLog
 from lightning_dlrover.parity import as_bytes
-from lightning_dlrover.torchrec_glue import fused_embedding_kernels
+from lightning_dlrover.torchrec_glue import fused_embedding_kernels, kernel_input_ids
 
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -266,13 +266,8 @@ class CodedState:
         def hook(module: nn.Module, args: tuple) -> None:
             if not torch.is_grad_enabled() or not module.training:
                 return
-            values = args[0].values().split(args[0].length_per_key())  # keys follow the tables' features
-            position = 0
-            for t, table in enumerate(kernel.config.embedding_tables):
-                count = len(table.feature_names)
-                ids = values[position] if count == 1 else torch.cat(values[position : position + count])
+            for t, ids in enumerate(kernel_input_ids(kernel, args[0])):
                 self._touch(first_table + t, ids)
-                position += count
 
         return hook
 
