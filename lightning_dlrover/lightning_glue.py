@@ -10,7 +10,8 @@
   optimisation looks for ``DistributedDataParallel`` at the top; TorchRec nests it inside
   ``DistributedModelParallel``.
 - :func:`rerun_fit_loop` / :func:`load_trainer_state`: in-process recovery restores the trainer's state in the
-  middle of ``fit`` through the same connector and runs the fit loop again.
+  middle of ``fit`` through the same connector and runs the fit loop again; ``ModelCheckpoint``'s memory of the
+  last step it saved (``_last_global_step_saved``, not in its ``state_dict``) is rolled back with the step.
 - :func:`check_before_launch`: no hook runs in the launching process before Lightning's launcher starts the other
   ranks (``Callback.setup`` and the strategy's ``setup_environment`` run in every rank after it); the strategy's
   launcher object gets a ``launch`` that runs a check first (the launcher keeps its class: Lightning tells its kinds
@@ -119,6 +120,11 @@ def load_trainer_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     finally:
         connector._loaded_checkpoint = {}
     trainer.fit_loop._combined_loader = None  # set up again by the next run, at the restored position
+    for callback in trainer.checkpoint_callbacks:
+        # ModelCheckpoint skips a step it remembers saving, and that memory is not in its state_dict: a survivor
+        # that saved a step which was then rolled back would skip the save (a collective) its replacement makes.
+        if getattr(callback, "_last_global_step_saved", -1) > trainer.global_step:
+            callback._last_global_step_saved = trainer.global_step
 
 
 def recount_epoch(trainer: pl.Trainer, batches_left: Callable[[], int]) -> None:

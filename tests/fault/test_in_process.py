@@ -96,6 +96,17 @@ def test_cold_replacement_during_the_parity_commit(tmp_path, reference):
     assert planned.fields["cold"] == [0]
 
 
+def test_a_checkpoint_saved_by_a_step_that_is_rolled_back_is_saved_again_by_every_rank(tmp_path, reference):
+    """Both ranks save the checkpoint of step 6, then rank 1 dies in step 6's commit: the job rolls back to step 5.
+    The survivor's ``ModelCheckpoint`` remembered saving step 6 and skipped the save its replacement then made (a
+    collective): both hung until gloo's timeout and the job restarted every worker (found by the planner's drills)."""
+    digest, events, _ = launch(tmp_path, "resave", "--spares", "0", script_args=("--ckpt-every", "6"),
+                               fault="rank=1,step=5,phase=during_parity_commit")
+    assert_recovered_in_process(events, digest, reference, step=5)
+    saved = sorted(p.name for p in (tmp_path / "resave" / "checkpoints").iterdir())
+    assert any("step=6" in name for name in saved) and any("step=12" in name for name in saved), saved
+
+
 def test_losing_every_rank_falls_back_to_a_full_restart(tmp_path, reference):
     digest, events, out = launch(tmp_path, "all", "--spares", "1", fault="step=5,phase=after_optimizer,target=all",
                                  script_args=("--ckpt-every", "3"))
