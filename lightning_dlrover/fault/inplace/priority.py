@@ -3,7 +3,7 @@
 A hot spare imports torch, Lightning and TorchRec beside the ranks it may one day replace; on a machine whose cores
 the ranks use, that start-up competes with training. The launcher starts its spares under Linux's ``SCHED_IDLE``
 policy (they run only on a core nobody else wants) and a spare handed a rank is switched back to ``SCHED_OTHER``,
-every one of its threads, by the launcher as it hands it the rank (:func:`promote`: a spare still importing on a busy
+every one of its threads, by the launcher as it hands it the rank (:func:`restore` with its pid: a spare still importing on a busy
 machine would otherwise finish its start-up at idle priority) and again by itself (:func:`restore`); its nice value,
 the launcher's, is unchanged by the switches.
 
@@ -91,19 +91,22 @@ def set_group_nice(pid: int | str, nice: int, tries: int = 30) -> bool:
     return False
 
 
-def restore() -> str | None:
-    """Puts every thread of this process back under ``SCHED_OTHER`` if it is under ``SCHED_IDLE`` and its autogroup
-    back to nice 0; ``None``, or why it could not (the process then trains at idle priority)."""
-    if (group_nice() or 0) > 0:
-        set_group_nice("self", 0)
+def restore(pid: int | None = None) -> str | None:
+    """Puts every thread of process ``pid`` (default: this process) back under ``SCHED_OTHER`` if it is under
+    ``SCHED_IDLE`` and its autogroup back to nice 0; ``None``, or why it could not (the process then runs at idle
+    priority). The launcher calls it with a spare's pid as it hands the spare a rank (a spare still importing on a busy
+    machine would otherwise finish its start-up at idle priority, maybe for minutes); the spare calls it again itself."""
+    target = "self" if pid is None else pid
+    if (group_nice(target) or 0) > 0:
+        set_group_nice(target, 0)
     if not hasattr(os, "SCHED_IDLE"):
         return None
     try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+        threads = [int(tid) for tid in os.listdir(f"/proc/{target}/task")]
     except OSError:
-        threads = [0]
+        threads = [pid or 0]
     try:
-        _raise_nice_limit()
+        _raise_nice_limit(pid or 0)
     except (OSError, ValueError):
         pass  # the check below says what the OS refused
     for tid in threads:
@@ -117,33 +120,9 @@ def restore() -> str | None:
     return None
 
 
-def _raise_nice_limit() -> None:
-    """Raises the soft ``RLIMIT_NICE`` to the hard one (the kernel checks the soft limit)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NICE)
+def _raise_nice_limit(pid: int) -> None:
+    """Raises process ``pid``'s (0: this one's) soft ``RLIMIT_NICE`` to the hard one (the kernel checks the soft
+    limit)."""
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NICE)
     if soft != hard:
-        resource.setrlimit(resource.RLIMIT_NICE, (hard, hard))
-
-
-def promote(pid: int) -> str | None:
-    """From the launcher: puts every thread of process ``pid`` (a spare just handed a rank) under ``SCHED_OTHER`` and
-    its autogroup at nice 0; ``None``, or why not. A spare handed a rank while it is still starting would otherwise
-    finish its imports at the lowest priority, and on a machine whose cores other programs keep busy (the survivors
-    only wait for it) that start-up may take minutes; the spare's own :func:`restore` comes only after it."""
-    set_group_nice(pid, 0)
-    if not hasattr(os, "SCHED_IDLE"):
-        return None
-    try:
-        _, hard = resource.prlimit(pid, resource.RLIMIT_NICE)
-        resource.prlimit(pid, resource.RLIMIT_NICE, (hard, hard))  # the kernel checks the target's soft limit
-        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except (OSError, ValueError):
-        threads = [pid]
-    for tid in threads:
-        try:
-            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-        except ProcessLookupError:
-            continue
-        except OSError as err:
-            return f"the OS refused SCHED_OTHER ({err})"
-    return None
+        resource.prlimit(pid, resource.RLIMIT_NICE, (hard, hard))

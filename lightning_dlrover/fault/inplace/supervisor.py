@@ -219,7 +219,7 @@ class Supervisor:
             if idle:
                 spare = idle.pop(0)
                 if self._priority_refused is None:  # it may still be starting: at its idle priority, maybe for minutes
-                    priority.promote(spare.process.pid)
+                    priority.restore(spare.process.pid)
             else:  # no hot spare left: a new process takes the rank (it imports everything first)
                 cold.append(rank)
                 spare = self.spawn(None, 0)
