@@ -113,7 +113,8 @@ class Checkpointing:
             self.last_blocked_s = time.perf_counter() - start
             if self.policy is not None:
                 self.policy.settle(True)
-                self._after_commit(pending, strategy.is_global_zero, "blocking", start)
+                self._after_commit(pending, strategy.is_global_zero)
+                self._report_saved(pending, "blocking", start)
             return
         self.wait(path)
         kwargs.update(self._plan(strategy, checkpoint))
@@ -154,16 +155,16 @@ class Checkpointing:
         link, delta = self.policy.plan(strategy.model, state)
         return {"link": link, "delta": delta}
 
-    def _after_commit(self, pending: job.PendingSave, is_global_zero: bool, mode: str, start: float) -> None:
-        """Reports a committed save (blocking mode; the writer reports its own); after a full link, deletes the links
-        of older chains that nothing needs (rank 0)."""
+    def _after_commit(self, pending: job.PendingSave, is_global_zero: bool) -> None:
+        """After a committed full link, deletes the links of older chains that nothing needs (rank 0)."""
         if pending.rows is None and is_global_zero and pending.link is not None:
             self._live_chain = pending.link["chain"]
             self._collect(pending.path.parent)
-        if mode == "blocking":
-            emit("checkpoint_saved", step=pending.step, path=str(pending.path), mode=mode,
-                 blocked_s=round(self.last_blocked_s, 4), write_s=round(time.perf_counter() - start, 4),
-                 bytes=pending.staged_bytes, **_link_fields(pending))
+
+    def _report_saved(self, pending: job.PendingSave, mode: str, start: float) -> None:
+        emit("checkpoint_saved", step=pending.step, path=str(pending.path), mode=mode,
+             blocked_s=round(self.last_blocked_s, 4), write_s=round(time.perf_counter() - start, 4),
+             bytes=pending.staged_bytes, **_link_fields(pending))
 
     def _collect(self, checkpoint_dir: Path) -> None:
         for path in incremental.collect(checkpoint_dir, self._live_chain or ""):
@@ -231,10 +232,8 @@ class Checkpointing:
                 for path in removals:
                     self._remove(path)
             if self.policy is not None:
-                self._after_commit(pending, is_global_zero, "async", start)
-            emit("checkpoint_saved", step=pending.step, path=str(pending.path), mode="async",
-                 blocked_s=round(self.last_blocked_s, 4), write_s=round(time.perf_counter() - start, 4),
-                 bytes=pending.staged_bytes, **_link_fields(pending))
+                self._after_commit(pending, is_global_zero)
+            self._report_saved(pending, "async", start)
             return
         pending.discard()
         kept = directory.latest_checkpoint(pending.path.parent) if is_global_zero else None
