@@ -146,8 +146,15 @@ def run_variant(source, tuner, args, seconds=None) -> tuple[dict, object]:
 def ingestion(args, paths) -> list[dict]:
     from lightning_dlrover.data import CriteoTSV
     from lightning_dlrover.data.staged import PipelinedLoader
-    from lightning_dlrover.pipeline_tuner import (Budget, FixedTuner, GridSearchTuner, HillClimbTuner, RLTuner,
-                                                  default_grid, run_ingestion)
+    from lightning_dlrover.pipeline_tuner import (
+        Budget,
+        FixedTuner,
+        GridSearchTuner,
+        HillClimbTuner,
+        RLTuner,
+        default_grid,
+        run_ingestion,
+    )
     from lightning_dlrover.pipeline_tuner.observe import available_cores
     from lightning_dlrover.pipeline_tuner.report import plot, table
 

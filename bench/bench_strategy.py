@@ -61,8 +61,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from lightning_dlrover import DLRoverStrategy
-from lightning_dlrover.data import DLRMDataModule
-from lightning_dlrover.data import ResumableLoader
+from lightning_dlrover.data import DLRMDataModule, ResumableLoader
 from lightning_dlrover.data.sources import NUM_DENSE, NUM_SPARSE, SPARSE_NAMES, SyntheticCriteo
 from lightning_dlrover.models import DLRMModule
 from lightning_dlrover.models.dlrm import table_name

@@ -10,11 +10,11 @@ if TYPE_CHECKING:
     from lightning_dlrover.advisor.callback import ResourceAdvisor
     from lightning_dlrover.advisor.control import BatchSizeControl, DataWorkersControl
     from lightning_dlrover.advisor.detectors import OOMForecaster, StragglerDetector
+    from lightning_dlrover.advisor.history import JobHistory
     from lightning_dlrover.advisor.model import JobShape, Observation, PerformanceModel
     from lightning_dlrover.advisor.recommend import Recommendation, recommend
     from lightning_dlrover.advisor.resources import Machine, ResourceConfig, SearchSpace
     from lightning_dlrover.advisor.signature import JobSignature
-    from lightning_dlrover.advisor.history import JobHistory
 
 __getattr__, __dir__ = exports(__name__, {
     "ResourceAdvisor": "lightning_dlrover.advisor.callback",

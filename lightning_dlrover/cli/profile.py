@@ -15,7 +15,12 @@ import time
 from pathlib import Path
 
 from lightning_dlrover.elastic import profile
-from lightning_dlrover.elastic.profile import DEFAULT_PROFILE, measure_allreduce, measure_convergence, measure_step_times
+from lightning_dlrover.elastic.profile import (
+    DEFAULT_PROFILE,
+    measure_allreduce,
+    measure_convergence,
+    measure_step_times,
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,9 +7,15 @@ from lightning_dlrover._lazy import exports
 
 if TYPE_CHECKING:
     from lightning_dlrover.elastic.allocator import Allocation, Job, allocate
+    from lightning_dlrover.elastic.batch import (
+        BatchDecision,
+        BatchRange,
+        choose_batch,
+        decide,
+        lr_factor,
+        scale_learning_rates,
+    )
     from lightning_dlrover.elastic.scaler import ElasticBatchScaler
-    from lightning_dlrover.elastic.batch import (BatchDecision, BatchRange, choose_batch, decide, lr_factor,
-                                                 scale_learning_rates)
 
 __getattr__, __dir__ = exports(__name__, {
     "Allocation": "lightning_dlrover.elastic.allocator",
