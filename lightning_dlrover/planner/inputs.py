@@ -70,13 +70,14 @@ class PlanInputs:
     recorded: dict[str, dict[str, float]] = field(default_factory=dict)  # the history's costs, per save mode
 
     def costs_at(self, ranks: int, save_mode: str | None = None) -> JobCosts:
-        """The job's costs at ``ranks`` (weak scaling: each rank keeps its share of the state and its step time),
+        """The job's costs at ``ranks`` (weak scaling: each rank keeps the share of the state and the step time it has
+        at the config's world size),
         saving with ``save_mode`` (default: the job's): the history's measured costs over the defaults."""
         mode = save_mode or self.save_mode
         recorded = dict(self.recorded.get(mode, {}))
-        step = self.step_s or recorded.pop("step_s", None) or self.job.default_step_s(self.world)
+        step = self.step_s or recorded.pop("step_s", None) or self.job.default_step_s()
         recorded.pop("step_s", None)
-        state = self.job.state_bytes * ranks / self.world
+        state = self.job.state_bytes * ranks / self.job.world_size  # the config's tables over its own ranks
         return JobCosts.estimate(step, state, ranks, self.per_machine, save_mode=mode,
                                  incremental_every=self.incremental_every, **recorded)
 
