@@ -3,10 +3,11 @@ checkpoint interval at start.
 
 Before any rank starts, :func:`check` refuses what the planner cannot plan (fewer than 2 ranks, a model with no
 embedding tables). At set-up, before the model is sharded, :func:`resolve` plans on rank 0
-(:meth:`~lightning_dlrover.fault.ParityConfig.auto`: the job's embedding state from its tables, a step time from the
-measured default per sample, or the costs an earlier run of the same job recorded in the job history named by
-``$LIGHTNING_DLROVER_HISTORY`` (:mod:`lightning_dlrover.planner.records`), failures from ``$LIGHTNING_DLROVER_MTBF_HOURS`` (the job's MTBF in hours) or the
-published rates), hands the pick to every rank over the control plane and records it (event ``parity_planned``).
+(:func:`lightning_dlrover.planner.inputs.plan_inputs`: the job's embedding state from its tables, a step time from
+the measured default per sample, or the costs an earlier run of the same job recorded in the job history named by
+``$LIGHTNING_DLROVER_HISTORY`` (:mod:`lightning_dlrover.planner.records`), failures from
+``$LIGHTNING_DLROVER_MTBF_HOURS`` (the job's MTBF in hours), else the history's observed ones, else the published
+rates), hands the pick to every rank over the control plane and records it (event ``parity_planned``).
 The pick may be ``None``: checkpoints alone do better at this failure rate. With a job history, rank 0 also times
 a few of the run's first steps and its first saves (:mod:`.cost_probe`) and records them for the next run's plan.
 
