@@ -79,6 +79,7 @@ def save_costs(mode: str, machine_gb: float, incremental_every: int | None = Non
         raise ValueError(f"incremental_checkpoint_every={every!r} must be an integer >= 1.")
     delta = (d["delta_blocked_s"], d["delta_write_s"] - d["delta_blocked_s"]) if mode.startswith("async") else \
         (d["delta_blocking_s"], 0.0)
+    delta = tuple(min(x, f) for f, x in zip(full, delta))  # a delta holds at most the whole state
     return tuple((f + (every - 1) * x) / every for f, x in zip(full, delta))
 
 
