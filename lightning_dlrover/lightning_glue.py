@@ -173,3 +173,16 @@ def reset_inner_ddp(model: nn.Module) -> None:
     ddp = inner_ddp(model)
     if ddp is not None:
         ddp.reducer._reset_state()
+
+
+def checkpoint_interval_unset(callback: Any) -> bool:
+    """Whether a ``ModelCheckpoint`` was given no interval: no ``every_n_train_steps``, no ``train_time_interval``
+    and ``every_n_epochs`` at Lightning's default (1: Lightning keeps no record of whether it was passed)."""
+    return (callback._every_n_train_steps == 0 and callback._train_time_interval is None
+            and callback._every_n_epochs == 1)
+
+
+def set_checkpoint_every_n_train_steps(callback: Any, steps: int) -> None:
+    """Makes a ``ModelCheckpoint`` save every ``steps`` training steps, as ``every_n_train_steps=steps`` would (its
+    saves at the end of an epoch stay)."""
+    callback._every_n_train_steps = steps

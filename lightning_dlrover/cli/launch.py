@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 import signal
+import sys
 import uuid
+from pathlib import Path
 
 from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.fault.inplace.supervisor import Supervisor, SupervisorConfig, serve_store
@@ -32,7 +36,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nnodes", type=int, default=1, help="machines in the job")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 hosts the store)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks on this machine")
-    p.add_argument("--spares", type=int, default=1, help="hot spares kept on this machine (0: replacements start cold)")
+    p.add_argument("--spares", default="1",
+                   help="hot spares kept on this machine (0: replacements start cold); auto: the fault-tolerance "
+                        "plan's, from the program's --config, $LIGHTNING_DLROVER_HISTORY and "
+                        "$LIGHTNING_DLROVER_MTBF_HOURS, as `lightning-dlrover plan` makes it")
     p.add_argument("--master", default="127.0.0.1:29500", help="host:port of the store (on machine 0)")
     p.add_argument("--run-id", default=None, help="job id (default: random)")
     p.add_argument("--max-restarts", type=int, default=3, help="full restarts when in-process recovery fails")
@@ -62,7 +69,59 @@ def parse(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be > 0 seconds.")
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} is outside [0, {args.nnodes}).")
+    if args.spares == "auto":
+        try:
+            args.spares = planned_spares(args.program, args.nnodes, args.nproc_per_node)
+        except ValueError as err:
+            p.error(f"--spares auto: {err}")
+    else:
+        try:
+            args.spares = int(args.spares)
+        except ValueError:
+            p.error(f"--spares {args.spares!r} must be a number of hot spares >= 0, or auto.")
+        if args.spares < 0:
+            p.error(f"--spares {args.spares} must be >= 0 (0: replacements start cold), or auto.")
     return args
+
+
+def _config_of(program: list[str]) -> Path:
+    for i, arg in enumerate(program):
+        if arg == "--config" and i + 1 < len(program):
+            return Path(program[i + 1])
+        if arg.startswith("--config="):
+            return Path(arg.split("=", 1)[1])
+    raise ValueError("the program has no --config job.yaml to plan from; give the spares as a number "
+                     "(e.g. --spares 1), or run a program that takes the job's config (e.g. -- -m lightning_dlrover fit "
+                     "--config job.yaml).")
+
+
+def planned_spares(program: list[str], nnodes: int, nproc_per_node: int) -> int:
+    """This machine's hot spares from the job's fault-tolerance plan (:mod:`lightning_dlrover.planner.inputs`): the
+    pick's spares over the job, spread over its machines (each machine keeps its own pool; rounded up); 0 when the
+    pick does not recover in process. ``ValueError`` for a missing or bad config or environment."""
+    import yaml
+
+    from lightning_dlrover.planner.inputs import HISTORY_ENV, Pick, mtbf_from_env, plan_inputs
+    from lightning_dlrover.planner.job import PlannedJob
+
+    path = _config_of(program)
+    if not path.is_file():
+        raise ValueError(f"the program's --config {path} does not exist.")
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"the program's --config {path} is not YAML: {err}")
+    job = PlannedJob.from_config(config if isinstance(config, dict) else {})
+    world = nnodes * nproc_per_node
+    inputs = plan_inputs(job, world, nproc_per_node, os.environ.get(HISTORY_ENV), mtbf_from_env())
+    plan = inputs.plan()
+    pick = Pick.of(plan.best)
+    per_machine = math.ceil(pick.spares / nnodes)
+    label = plan.best.candidate.label
+    print(f"lightning-dlrover launch: --spares auto: the plan for {path} at {world} ranks picks {label} (goodput "
+          f"{plan.best.goodput:.4f}, {inputs.failures.source}): {per_machine} hot spare(s) on this machine"
+          + ("" if pick.spares else " (the pick does not recover in process)"), file=sys.stderr, flush=True)
+    return per_machine
 
 
 def _stop(signum: int, _frame: object) -> None:

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from lightning_dlrover.planner import FailureModel, JobCosts, make_plan, sweep
+from lightning_dlrover.planner import FailureModel, sweep
+from lightning_dlrover.planner.costs import SAVE_MODES
+from lightning_dlrover.planner.inputs import Pick, PlanInputs, plan_inputs
 from lightning_dlrover.planner.job import PlannedJob
 from lightning_dlrover.planner.plan import SWEEP_RANKS
 
@@ -40,6 +42,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                                      "history's, else estimated)")
     parser.add_argument("--history", default=None, help="job history (path or SQLAlchemy URL) to take costs and "
                                                         "observed failures from")
+    parser.add_argument("--save-mode", choices=SAVE_MODES, default=None,
+                        help="how the job saves checkpoints (default: the config's async_checkpoint and "
+                             "incremental_checkpoint_every); every mode's pick is printed beside")
+    parser.add_argument("--sweep-saves", action="store_true",
+                        help="print the pick's checkpoint interval and goodput at 8-4096 ranks per save mode")
     parser.add_argument("--plot", type=Path, default=None, help="write goodput against ranks (8-4096) here (PNG)")
     args = parser.parse_args(argv)
     if not args.config.is_file():
@@ -61,53 +68,81 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         job = PlannedJob.from_config(yaml.safe_load(args.config.read_text()) or {})
-        per_machine = args.ranks_per_machine or job.ranks_per_machine
-        world = args.ranks or job.world_size
-        observed = None
-        recorded: dict[str, float] = {}
-        if args.history is not None:
-            from lightning_dlrover.planner.records import read_costs, read_failures
-
-            recorded = read_costs(args.history, job.key())
-            observed = read_failures(args.history)
-        if args.mtbf_hours is not None:
-            failures = FailureModel.from_job_mtbf(args.mtbf_hours, world, per_machine, args.machine_share)
-        elif observed is not None and observed[0] > 0:
-            failures = FailureModel.from_observed(*observed, ranks_per_machine=per_machine)
-        else:
-            failures = FailureModel.published(per_machine)
-        step_s = args.step_s or recorded.pop("step_s", None)
-
-        def costs_at(ranks: int) -> JobCosts:
-            """Weak scaling: each rank keeps its share of the state and its step time."""
-            state = job.state_bytes * ranks / job.world_size
-            base = step_s or job.default_step_s()
-            return JobCosts.estimate(base, state, ranks, per_machine, **recorded)
-
-        plan = make_plan(costs_at(world), failures, world)
+        inputs = plan_inputs(job, args.ranks, args.ranks_per_machine, args.history, args.mtbf_hours,
+                             args.machine_share, args.step_s, args.save_mode)
+        plan = inputs.plan()
+        by_mode = {mode: inputs.plan(save_mode=mode) for mode in SAVE_MODES}
     except ValueError as err:
         print(f"lightning-dlrover plan: error: {err}", file=sys.stderr)
         return 2
-    costs = plan.costs
-    print(f"plan for {args.config}: {world} ranks ({per_machine} per machine), {len(job.tables)} tables, "
+    world, failures, costs = inputs.world, inputs.failures, plan.costs
+    print(f"plan for {args.config}: {world} ranks ({inputs.per_machine} per machine), {len(job.tables)} tables, "
           f"{costs.state_bytes / 1e9:.2f} GB of embedding state, step {costs.step_s:.3f} s without parity")
     print(f"failures: {failures.source}: job MTBF {failures.job_mtbf_hours(world):.2f} h (rank MTBF "
           f"{failures.rank_mtbf_hours:,.0f} h, machine MTBF {failures.machine_mtbf_hours:,.0f} h)")
-    print(f"costs: save {costs.save_s:.2f} s, load {costs.load_s:.2f} s, restart {costs.restart_s:.2f} s, in process "
+    print(f"costs: save {costs.save_s:.2f} s ({inputs.save_mode}: blocked per save; committed {costs.save_lag_s:.2f} "
+          f"s later), load {costs.load_s:.2f} s, restart {costs.restart_s:.2f} s, in process "
           f"{costs.in_process_s:.2f} s, decode {costs.decode_s:.3f} s x k, parity {costs.parity_capture:.1%} + "
           f"{costs.parity_commit:.1%} / N of a step x r ({', '.join(sorted(set(costs.sources.values())))})")
     print(plan.table())
-    best = plan.best.candidate
-    if best.strategy == "checkpoint":
-        print(f"pick: checkpoints only, every {plan.best.checkpoint_every_steps} steps (parity: null)")
+    pick = Pick.of(plan.best)
+    every = (f"checkpoint every {pick.checkpoint_every_steps} steps ({_every(pick.checkpoint_every_s)})"
+             if pick.checkpoint_every_steps else "no periodic checkpoint needed")
+    if pick.parity is None:
+        print(f"pick: checkpoints only, {every} (parity: null); launch --spares 0")
     else:
-        print(f"pick: {best.label}; YAML: parity: {{k: {best.k}, r: {best.r}, commit_every_n_steps: "
-              f"{best.commit_every}}}" + (f", launch --spares {best.spares}" if best.spares else ""))
+        print(f"pick: {plan.best.candidate.label}; YAML: parity: {{k: {pick.parity['k']}, r: {pick.parity['r']}, "
+              f"commit_every_n_steps: {pick.parity['commit_every_n_steps']}}}; {every}; launch --spares "
+              f"{pick.spares}" + ("" if pick.spares else " (the pick does not recover in process)"))
+    print(save_modes_table(by_mode, inputs))
+    if args.sweep_saves:
+        print(sweep_saves(inputs))
     if args.plot is not None:
-        curves = sweep(costs_at, failures, SWEEP_RANKS)
-        write_plot(args.plot, curves, failures)
+        curves = sweep(inputs.costs_at, failures, SWEEP_RANKS)
+        extra = {f"checkpoint ({mode} saves)": sweep(lambda n, m=mode: inputs.costs_at(n, m), failures, SWEEP_RANKS,
+                                                     ("checkpoint",))["checkpoint"]
+                 for mode in ("async", "async+incremental") if mode != inputs.save_mode}
+        write_plot(args.plot, {**curves, **extra}, failures)
         print(f"plot: {args.plot}")
     return 0
+
+
+def _every(seconds: float) -> str:
+    return "-" if math.isinf(seconds) else (f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min")
+
+
+def save_modes_table(by_mode: dict, inputs: PlanInputs) -> str:
+    """The pick of each save mode at the plan's world size: what a save blocks, its interval and goodput."""
+    lines = [f"by save mode at {inputs.world} ranks (costs: the history's saves of that mode, else bench_checkpoint's "
+             "measured here):",
+             f"  {'save mode':<18}{'blocked s':>10}{'lag s':>8}{'source':>10}  {'pick':<36}{'ckpt every':>11}"
+             f"{'steps':>8}{'goodput':>9}{'ckpt only':>10}"]
+    for mode, plan in by_mode.items():
+        pick, costs = Pick.of(plan.best), plan.costs
+        only = plan.best_of("checkpoint")
+        mark = "  <- the job's" if mode == inputs.save_mode else ""
+        lines.append(f"  {mode:<18}{costs.save_s:>10.3f}{costs.save_lag_s:>8.2f}{costs.sources['save_s']:>10}  "
+                     f"{plan.best.candidate.label:<36}{_every(pick.checkpoint_every_s):>11}"
+                     f"{pick.checkpoint_every_steps or '-':>8}{plan.best.goodput:>9.4f}{only.goodput:>10.4f}{mark}")
+    return "\n".join(lines)
+
+
+def sweep_saves(inputs: PlanInputs) -> str:
+    """The pick's checkpoint interval (steps) and goodput at 8-4096 ranks, per save mode."""
+    modes = ("blocking", "async", "async+incremental")
+    head = f"{'ranks':>6}{'job MTBF h':>11}" + "".join(f"{m + ' every':>24}{'goodput':>9}" for m in modes) + "  pick"
+    lines = ["pick's checkpoint interval and goodput against ranks, per save mode (weak scaling):", head]
+    for ranks in SWEEP_RANKS:
+        row, picks = f"{ranks:>6}{inputs.failures.job_mtbf_hours(ranks):>11.1f}", []
+        for mode in modes:
+            plan = inputs.plan(ranks, mode)
+            pick = Pick.of(plan.best)
+            every = f"{pick.checkpoint_every_steps} ({_every(pick.checkpoint_every_s)})" \
+                if pick.checkpoint_every_steps else "-"
+            row += f"{every:>24}{plan.best.goodput:>9.4f}"
+            picks.append(plan.best.candidate.strategy)
+        lines.append(row + "  " + "/".join(dict.fromkeys(picks)))
+    return "\n".join(lines)
 
 
 def write_plot(path: Path, curves: dict[str, list[float]], failures: FailureModel) -> None:

@@ -51,6 +51,10 @@ KINDS: dict[str, tuple[str, ...]] = {
     # a replacement reuses the plan its run recorded (the spills it decodes were written with it)
     "parity_planned": ("world_size", "parity", "mtbf_hours", "source", "measured"),  # measured: history costs used
     "costs_measured": ("job_key", "costs"),  # parity: auto timed the job's steps and recorded them in the job history
+    # parity: auto's checkpoint interval (Young/Daly at the blocked time per save of save_mode): applied to each
+    # ModelCheckpoint given no interval; why: none applied (no ModelCheckpoint, the user's interval, none needed)
+    "checkpoint_interval_planned": ("every_n_train_steps", "every_s", "save_mode", "save_s", "save_lag_s", "applied",
+                                    "why", "source"),
     "digest": ("digest", "final"),
     # In-process recovery (lightning-dlrover launch): the launcher's plan, each rank's recovery, the fallbacks
     "replacement_planned": ("generation", "lost_ranks", "replacements", "cold"),

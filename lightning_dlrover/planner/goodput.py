@@ -4,11 +4,14 @@ Failures arrive at ``lambda`` per wall second (:class:`~.failures.FailureModel`,
 ``L``: the time to recover and the work trained again. A failure that lands within the loss window of the previous
 one restarts it, so the share of wall time that trains is ``exp(-lambda * L)`` (the chance that no failure landed
 in the last ``L`` seconds); to first order ``1 - lambda * L``, Young's and Daly's regime (``lambda * L << 1``).
-Checkpoints every ``tau`` seconds of training cost ``C`` each, blocking.
+Checkpoints every ``tau`` seconds of training block it ``C`` each (a blocking save's whole write, an asynchronous
+or incremental save's copy: :func:`~.costs.save_costs`) and are committed ``D`` (``save_lag_s``) after that: a
+failure loses back to the newest committed one, on average ``(tau + C) / 2 + D`` of work; ``tau`` is at least ``D``
+(a save waits for the one still being written).
 
 - **checkpoint** (checkpoints only): ``G = tau / (tau + C) * exp(-lambda * L)``, ``L = R_restart + R_load +
-  (tau + C) / 2``, at Young's optimal interval ``tau* = sqrt(2 * C * MTBF)`` (Young 1974; Daly 2006: the
-  first-order term of his optimum), never below one step.
+  (tau + C) / 2 + D``, at Young's optimal interval ``tau* = sqrt(2 * C * MTBF)`` (Young 1974; Daly 2006: the
+  first-order term of his optimum), never below one step nor ``D``.
 - **parity-restart** (parity ``(k, r)``, a commit every ``N`` steps, every worker restarted, the lost ranks
   decoded): steps cost ``1 + o`` times as long, ``o = r * (capture + commit / N)`` (the undo log is kept every
   step; the delta exchange and vote once per window, to ``r`` parity holders); a failure parity covers loses
@@ -106,15 +109,22 @@ def parity_overhead(costs: JobCosts, r: int, commit_every: int) -> float:
     return r * (costs.parity_capture + costs.parity_commit / commit_every)
 
 
-def _checkpointing(save_s: float, rate_per_s: float, step_s: float, every_s: float | None = None) -> tuple[float, float]:
+def _checkpointing(costs: JobCosts, rate_per_s: float, step_s: float, every_s: float | None = None) -> tuple[float, float]:
     """``(tau, share of training time left)`` at ``every_s``, else Young's interval for failures at ``rate_per_s``
-    (none: inf, 1)."""
+    (none: inf, 1), never below a step nor the time a save takes to commit."""
+    save_s = costs.save_s
     if every_s is not None:
         return every_s, every_s / (every_s + save_s)
     if rate_per_s <= 0:
         return math.inf, 1.0
-    tau = max(young_daly_interval(save_s, 1.0 / rate_per_s), step_s)
+    tau = max(young_daly_interval(save_s, 1.0 / rate_per_s), step_s, costs.save_lag_s)
     return tau, tau / (tau + save_s)
+
+
+def checkpoint_loss(costs: JobCosts, tau: float) -> float:
+    """Seconds a failure costs that every worker restarts from the newest committed checkpoint: the restart, the
+    restore and the work since that checkpoint, ``(tau + C) / 2 + D``."""
+    return costs.restart_s + costs.load_s + (tau + costs.save_s) / 2 + costs.save_lag_s
 
 
 def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, world_size: int,
@@ -125,10 +135,9 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
     machine_rate = failures.machine_rate(world_size) / 3600.0 if world_size > 1 or failures.ranks_per_machine == 1 \
         else 0.0  # one rank on one machine: a machine loss is a rank failure (counted in rank_rate)
     total = rank_rate + machine_rate
-    restart_from_checkpoint = costs.restart_s + costs.load_s
     if candidate.strategy == "checkpoint":
-        tau, kept = _checkpointing(costs.save_s, total, costs.step_s, checkpoint_every_s)
-        loss = restart_from_checkpoint + (tau + costs.save_s) / 2 if total else 0.0
+        tau, kept = _checkpointing(costs, total, costs.step_s, checkpoint_every_s)
+        loss = checkpoint_loss(costs, tau) if total else 0.0
         return Estimate(candidate, kept * math.exp(-total * loss), tau, costs.step_s, total * 3600, 0.0)
     if candidate.strategy not in STRATEGIES:
         raise ValueError(f"strategy {candidate.strategy!r} is not one of {STRATEGIES}.")
@@ -169,9 +178,9 @@ def estimate(candidate: Candidate, costs: JobCosts, failures: FailureModel, worl
             uncovered += rate * (1 - found * (1 - inside))  # launch restarts every worker from the checkpoint
         paid = world_size / (world_size + spares)
         step *= 1.0 + costs.launch_overhead
-    tau, kept = _checkpointing(costs.save_s, uncovered, step, checkpoint_every_s if uncovered else None)
+    tau, kept = _checkpointing(costs, uncovered, step, checkpoint_every_s if uncovered else None)
     if uncovered:
-        waste += uncovered * (restart_from_checkpoint + (tau + costs.save_s) / 2)
+        waste += uncovered * checkpoint_loss(costs, tau)
     share = sum(rate for rate, _ in covered) / total if total else 1.0
     goodput = costs.step_s / step * kept * math.exp(-waste) * paid
     return Estimate(candidate, goodput, tau, step, total * 3600, share, costs.state_bytes / world_size * r / k)

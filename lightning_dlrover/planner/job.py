@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_dlrover.planner.costs import SAVE_MODES
+
 #: Bytes per table row beside its weights: the row-wise Adagrad state (one float32 per row), FBGEMM's default.
 OPTIMIZER_BYTES_PER_ROW = 4
 #: Per-rank step seconds per sample, measured here (bench_fault_tolerance.py: 2 ranks, 26 x 100000 x 64, global
@@ -17,12 +19,15 @@ STEP_S_PER_RANK_SAMPLE = 0.753 / (4096 / 2)
 
 @dataclass(frozen=True)
 class PlannedJob:
-    """A job as the planner sees it: tables ``(rows, dim)``, ranks per machine, machines, global batch."""
+    """A job as the planner sees it: tables ``(rows, dim)``, ranks per machine, machines, global batch, and how it
+    saves checkpoints (:data:`~.costs.SAVE_MODES`; ``incremental_every``: a full save every so many)."""
 
     tables: tuple[tuple[int, int], ...]
     ranks_per_machine: int
     machines: int
     global_batch: int
+    save_mode: str = "blocking"
+    incremental_every: int | None = None
 
     def __post_init__(self) -> None:
         if not self.tables:
@@ -32,6 +37,10 @@ class PlannedJob:
         for rows, dim in self.tables:
             if rows < 1 or dim < 1:
                 raise ValueError(f"an embedding table of {rows} rows x {dim} columns makes no sense: both must be >= 1.")
+        if self.save_mode not in SAVE_MODES:
+            raise ValueError(f"save mode {self.save_mode!r} is not one of {', '.join(SAVE_MODES)}.")
+        if self.incremental_every is not None and self.incremental_every < 1:
+            raise ValueError(f"incremental_checkpoint_every={self.incremental_every} must be >= 1 (or unset).")
         if self.ranks_per_machine < 1 or self.machines < 1 or self.global_batch < 1:
             raise ValueError(f"ranks per machine ({self.ranks_per_machine}), machines ({self.machines}) and the "
                              f"global batch ({self.global_batch}) must be >= 1.")
@@ -57,7 +66,8 @@ class PlannedJob:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> PlannedJob:
         """From a ``fit`` config (``model.num_embeddings_per_feature``, ``model.embedding_dim``, ``trainer.devices``,
-        ``trainer.num_nodes``, ``data.global_batch_size``)."""
+        ``trainer.num_nodes``, ``data.global_batch_size``, the strategy's ``async_checkpoint`` and
+        ``incremental_checkpoint_every``)."""
         model, trainer, data = (config.get(key) or {} for key in ("model", "trainer", "data"))
         rows = model.get("num_embeddings_per_feature")
         if rows is None:
@@ -66,5 +76,18 @@ class PlannedJob:
         devices = trainer.get("devices", 1)
         if not isinstance(devices, int) or isinstance(devices, bool):
             raise ValueError(f"trainer.devices={devices!r}: the planner needs a number of ranks per machine.")
+        strategy = trainer.get("strategy")
+        options = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+        every = options.get("incremental_checkpoint_every")
         return cls(tables=tuple((int(r), dim) for r in rows), ranks_per_machine=devices,
-                   machines=int(trainer.get("num_nodes", 1)), global_batch=int(data.get("global_batch_size", 4096)))
+                   machines=int(trainer.get("num_nodes", 1)), global_batch=int(data.get("global_batch_size", 4096)),
+                   save_mode=save_mode(bool(options.get("async_checkpoint")), every),
+                   incremental_every=int(every) if every else None)
+
+
+def save_mode(asynchronous: bool, incremental_every: int | None) -> str:
+    """The save mode (:data:`~.costs.SAVE_MODES`) of a strategy's ``async_checkpoint`` and
+    ``incremental_checkpoint_every``."""
+    if incremental_every:
+        return "async+incremental" if asynchronous else "incremental"
+    return "async" if asynchronous else "blocking"

@@ -110,13 +110,14 @@ def make_plan(costs: JobCosts, failures: FailureModel, world_size: int,
     return Plan(world_size, costs, failures, estimates)
 
 
-def sweep(costs_at: callable, failures: FailureModel, ranks: tuple[int, ...] = SWEEP_RANKS) -> dict[str, list[float]]:
-    """The best goodput of each strategy at each world size of ``ranks`` (``costs_at(world_size)``: the job's costs
-    there, e.g. its state spread over more machines)."""
-    out: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+def sweep(costs_at: callable, failures: FailureModel, ranks: tuple[int, ...] = SWEEP_RANKS,
+          strategies: tuple[str, ...] = STRATEGIES) -> dict[str, list[float]]:
+    """The best goodput of each of ``strategies`` at each world size of ``ranks`` (``costs_at(world_size)``: the
+    job's costs there, e.g. its state spread over more machines)."""
+    out: dict[str, list[float]] = {s: [] for s in strategies}
     for world in ranks:
-        plan = make_plan(costs_at(world), failures, world)
-        for strategy in STRATEGIES:
+        plan = make_plan(costs_at(world), failures, world, strategies)
+        for strategy in strategies:
             best = plan.best_of(strategy)
             out[strategy].append(best.goodput if best is not None else float("nan"))
     return out

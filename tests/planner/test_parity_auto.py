@@ -186,3 +186,86 @@ def test_parity_auto_measures_the_job_and_the_next_run_plans_with_it(tmp_path):
     assert recorded[0] == pytest.approx(measured["costs"], abs=1e-6)
     assert second[0]["measured"] == pytest.approx(costs_from_records(recorded[0]))
     assert second[0]["measured"]["step_s"] > 0  # the second run's plan used the job's own step time
+
+
+def _checkpointed_config(tmp_path, mine_every: int, asynchronous: bool = False) -> str:
+    """The 2-rank job with two ``ModelCheckpoint``s: ``planned/`` given no interval, ``mine/`` every ``mine_every``
+    steps (the user's)."""
+    config = yaml.safe_load(open(_config(tmp_path, 2)))
+    config["trainer"]["strategy"]["init_args"]["async_checkpoint"] = asynchronous
+    config["trainer"].update(max_steps=12, enable_checkpointing=True, callbacks=[
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"dirpath": str(tmp_path / "planned"), "filename": "{step}", "save_top_k": -1}},
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"dirpath": str(tmp_path / "mine"), "filename": "{step}", "save_top_k": -1,
+                       "every_n_train_steps": mine_every}}])
+    path = tmp_path / "checkpointed.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def _saved_steps(directory) -> list[int]:
+    return sorted(int(p.name[len("step="):-len(".ckpt")]) for p in directory.glob("step=*.ckpt"))
+
+
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_parity_auto_sets_the_planned_checkpoint_interval_and_keeps_the_users(tmp_path, mode):
+    """The plan's checkpoint interval (Young/Daly at the time the job's saves of its mode blocked training, as an
+    earlier run recorded it) goes to the ``ModelCheckpoint`` given none; the one whose interval the user set keeps it.
+    The run measures its own saves for the next run's plan (an async save's commit from its ``checkpoint_saved``)."""
+    from lightning_dlrover.planner.inputs import Pick, plan_inputs
+
+    history = tmp_path / "history.sqlite"
+    job = PlannedJob(tuple((r, DIM) for r in ROWS), 2, 1, BATCH, save_mode=mode)
+    db = JobHistory(resolve_url(history))  # a second a step, 20 ms blocked per save: checkpoints every few steps
+    db.add_costs(job.key(), {"step_s": 1.0, f"save_s.{mode}": 0.02, f"save_lag_s.{mode}": 0.0,
+                             "save_s.blocking" if mode != "blocking" else "save_s.async": 30.0})  # the other mode's
+    db.close()
+    pick = Pick.of(plan_inputs(job, 2, 2, str(history), 0.05).plan().best)
+    every = pick.checkpoint_every_steps
+    assert every is not None and 1 < every <= 6, every
+    mine = 7 if every != 7 else 5
+    env = {"LIGHTNING_DLROVER_MTBF_HOURS": "0.05", "LIGHTNING_DLROVER_HISTORY": str(history)}
+    out = run(["-m", "lightning_dlrover", "fit", "--config", _checkpointed_config(tmp_path, mine, mode == "async")],
+              tmp_path, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:]
+    # every planned step, and the save at the end of training (the epoch's end, Lightning's default: kept)
+    assert _saved_steps(tmp_path / "planned") == sorted({*range(every, 13, every), 12}), out.stdout[-3000:]
+    assert _saved_steps(tmp_path / "mine") == list(range(mine, 13, mine))  # the user's interval, untouched
+    events = read_events([tmp_path / "run" / "dlrover_events.jsonl"])
+    [planned] = [e for e in events if e.kind == "checkpoint_interval_planned"]
+    assert planned["every_n_train_steps"] == every and planned["applied"] is True
+    assert planned["save_mode"] == mode and planned["save_s"] == pytest.approx(0.02)
+    assert f"parity: auto set the checkpoint interval: every {every} training steps" in out.stdout
+    assert "kept the interval of 1 the user set" in out.stdout
+    # the job's own saves, measured and recorded: the next run's interval comes from them
+    saves = [e for e in events if e.kind == "costs_measured" and f"save_s.{mode}" in e["costs"]]
+    assert saves and all(e["costs"][f"save_s.{mode}"] > 0 for e in saves)
+    db = JobHistory(resolve_url(history))
+    recorded = db.costs(job.key())
+    db.close()
+    assert recorded[f"save_s.{mode}"] == pytest.approx(saves[-1]["costs"][f"save_s.{mode}"], abs=1e-6)
+    if mode == "async":  # committed after it stopped blocking: from the saves' checkpoint_saved events
+        committed = [e for e in events if e.kind == "checkpoint_saved" and e.rank == 0]
+        assert committed and recorded["save_lag_s.async"] > 0
+        assert recorded["save_lag_s.async"] <= max(e["write_s"] for e in committed)
+
+
+def test_launch_spares_auto_starts_the_plans_spares(tmp_path):
+    """``launch --spares auto`` plans before any rank starts, from the program's config (and the job history and MTBF
+    in its environment): with the published failure rates this job is best off with checkpoints only, so no hot spare
+    starts."""
+    from tests.fault.test_in_process import free_port
+
+    config = yaml.safe_load(open(_config(tmp_path, 2, parity=None)))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    events = tmp_path / "events.jsonl"
+    out = run(["-m", "lightning_dlrover", "launch", "--nproc-per-node", "2", "--spares", "auto", "--master",
+               f"127.0.0.1:{free_port()}", "--", "-m", "lightning_dlrover", "fit", "--config", str(path)], tmp_path,
+              env={"LIGHTNING_DLROVER_EVENTS": str(events)}, timeout=400)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "--spares auto: the plan for" in out.stdout and "picks checkpoint" in out.stdout
+    assert "0 hot spare(s) on this machine (the pick does not recover in process)" in out.stdout
+    found = read_events([events])
+    assert [e for e in found if e.kind == "spares_started"] == [], [e.kind for e in found]
