@@ -44,7 +44,8 @@ PRIVATES = {
     "torchrec_glue.py": ("_lookups", "_emb_modules", "_emb_module", "_optimizer_classes", "_in_backward_optimizers",
                          "_INITIALIZED", "_dmp_wrapped_module", "_filter_sharding_types", "_filter_compute_kernels"),
     "lightning_glue.py": ("_checkpoint_connector", "_combined_loader", "_DDPForwardRedirection", "_loaded_checkpoint",
-                          "_data_connector", "_results"),
+                          "_data_connector", "_results", "_last_global_step_saved", "_every_n_train_steps",
+                          "_train_time_interval", "_every_n_epochs"),
 }
 MAX_LINES = 410
 
