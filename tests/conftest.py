@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,21 @@ def run(
 def train(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Runs ``tests/scripts/train.py`` (a multi-process DLRoverStrategy job)."""
     return run([str(TRAIN_SCRIPT), *args], cwd, check=check)
+
+
+def train_together(cwd: Path, *jobs: list[str]) -> list[subprocess.CompletedProcess]:
+    """Runs independent ``tests/scripts/train.py`` jobs at the same time, each as :func:`train` runs one (checked,
+    its processes killed when it returns) in a directory of its own, ``cwd/job<i>``; returns their results in the
+    order given.
+
+    A job's ranks import torch one after another at first (the launcher's rank 0, then the others), which leaves a
+    core idle that the other job's start-up uses."""
+    dirs = [cwd / f"job{i}" for i in range(len(jobs))]
+    for path in dirs:
+        path.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(train, path, *args) for path, args in zip(dirs, jobs)]
+    return [future.result() for future in futures]
 
 
 def digests(output: str) -> dict[str, str]:

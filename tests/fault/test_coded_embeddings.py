@@ -3,7 +3,7 @@ decoded byte-for-byte, and training then ends exactly where a run without parity
 
 import pytest
 
-from tests.conftest import digests, train
+from tests.conftest import digests, train, train_together
 
 pytestmark = pytest.mark.slow
 
@@ -14,15 +14,18 @@ pytestmark = pytest.mark.slow
 )
 def test_every_loss_pattern_decodes_exactly(tmp_path, devices, parity, drill, batch, compare):
     common = ["--devices", str(devices), "--batch", batch, "--steps", "10"]
-    out = train(tmp_path, *common, "--parity", parity, "--drill-at", "5", "--drill", drill).stdout
+    drilled = [*common, "--parity", parity, "--drill-at", "5", "--drill", drill]
+    # one world size is enough to show that parity and recovery do not change training: there, the job without
+    # parity (the reference) runs beside the drilled one
+    jobs = train_together(tmp_path, drilled, common) if compare else [train(tmp_path, *drilled)]
+    out = jobs[0].stdout
     k, r = map(int, parity.split(","))
     assert f"DLRoverStrategy parity k={k} r={r}" in out
     for lost in drill.split():
         assert f"drill after_batch lost=[{lost.replace(',', ', ')}]: recovered state matches" in out
     assert "DIFFERS" not in out
-    if compare:  # one world size is enough to show it (a job without parity costs a run)
-        plain = digests(train(tmp_path, *common).stdout)
-        assert digests(out)["end"] == plain["end"], "parity and recovery do not change training"
+    if compare:
+        assert digests(out)["end"] == digests(jobs[1].stdout)["end"], "parity and recovery do not change training"
 
 
 def test_parity_needs_enough_ranks(tmp_path):
