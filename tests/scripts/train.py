@@ -78,7 +78,8 @@ def main() -> None:
     parser.add_argument("--backend", default="dcp")
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--ckpt-every", type=int, default=0)
-    parser.add_argument("--async-ckpt", action="store_true", help="DLRoverStrategy(async_checkpoint=True)")
+    parser.add_argument("--async-ckpt", nargs="?", const=True, default=False, choices=[True, "precopy"],
+                        help="DLRoverStrategy(async_checkpoint=True), or ='precopy'")
     parser.add_argument("--incremental", type=int, default=None, metavar="N",
                         help="DLRoverStrategy(incremental_checkpoint_every=N)")
     parser.add_argument("--save-top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k=...)")
