@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dlrover.checkpoint import directory, incremental
+from lightning_dlrover.checkpoint import directory, incremental, layout
 from lightning_dlrover.checkpoint.backends import CheckpointBackend, get_backend
 from lightning_dlrover.checkpoint.sharded import Later, complete_sharded_state, copy_state
 
@@ -185,17 +185,26 @@ def load(
     sharded["fused_optimizer"] = {k: v for k, v in sharded["fused_optimizer"].items() if v}
     if not sharded["fused_optimizer"]:
         del sharded["fused_optimizer"]
-    get_backend(directory.read_info(links[0])["backend"]).load(sharded, links[0] / directory.SHARDED_DIR)
+    first = get_backend(directory.read_info(links[0])["backend"])
+    # row-wise optimizer states saved with another column split (table-wise into column-wise and back)
+    relayouts = layout.take_relayouts(sharded, links[0] / directory.SHARDED_DIR) if first.name == "dcp" else []
+    fused = sharded.get("fused_optimizer", {})
+    if relayouts:  # a table whose every state was taken out has an empty dict, which no backend can ask for
+        sharded = {**sharded, "fused_optimizer": {k: v for k, v in fused.items() if v}}
+        if not sharded["fused_optimizer"]:
+            del sharded["fused_optimizer"]
+    first.load(sharded, links[0] / directory.SHARDED_DIR)
     if len(links) > 1:
         for link in links[1:]:
-            incremental.apply_rows(link, sharded)
+            incremental.apply_rows(link, sharded, plain={r.path: r.saved for r in relayouts})
         tracked = set(incremental.link_info(last).get("tracked", []))
         rest = incremental.split(sharded, tracked)
         backend.load(rest, last / directory.SHARDED_DIR)
         _merge(sharded, rest)
+    for relayout in relayouts:
+        relayout.finish()
     module.load_state_dict(sharded["model"], strict=strict)
-    loaded = sharded.get("fused_optimizer", {})
-    fused_optimizer.load_state_dict({"state": {k: loaded.get(k, v) for k, v in fused_optimizer.state_dict()["state"].items()}})
+    fused_optimizer.load_state_dict({"state": {k: fused.get(k, v) for k, v in fused_optimizer.state_dict()["state"].items()}})
     return meta
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dlrover.monitor.events import read_events
+from lightning_dlrover.monitor.events import KINDS, read_events
 from lightning_dlrover.strategy.checkpointing import WRITE_HOOK_ENV
 from tests.conftest import REPO, TRAIN_SCRIPT, digests, run, train
 
@@ -22,11 +22,17 @@ SLOW_COPY = "copy_sleep=0.01,chunk_bytes=2048"
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> dict[str, str]:
-    """Digests (every 4 steps and at the end) of an uninterrupted 12-step run with blocking checkpoints."""
+def blocking(tmp_path_factory) -> tuple[dict[str, str], list]:
+    """Digests (every 4 steps and at the end) and ``checkpoint_saved`` events of an uninterrupted 12-step run with
+    blocking checkpoints."""
     tmp = tmp_path_factory.mktemp("straight")
-    return digests(train(tmp, "--steps", "12", "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "4",
-                         "--digest-every", "4").stdout)
+    out = train(tmp, "--steps", "12", "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "4", "--digest-every", "4")
+    return digests(out.stdout), [e for e in read_events([tmp / "dlrover_events.jsonl"]) if e.kind == "checkpoint_saved"]
+
+
+@pytest.fixture(scope="module")
+def straight(blocking) -> dict[str, str]:
+    return blocking[0]
 
 
 def precopied(tmp_path, hook: str) -> tuple[dict[str, str], list]:
@@ -60,6 +66,16 @@ def test_precopied_checkpoint_holds_its_step_while_steps_write_rows_during_the_c
     onto3 = digests(train(elsewhere(tmp_path, "three"), "--devices", "3", "--steps", "9",
                           "--resume", str(tmp_path / "ckpt" / "epoch=0-step=8.ckpt")).stdout)
     assert onto3["8"] == straight["8"], "a pre-copied checkpoint restores onto another world size"
+
+
+def test_every_committed_save_emits_checkpoint_saved_with_the_same_fields(tmp_path, blocking):
+    """Blocking saves without incremental ones emit ``checkpoint_saved`` too, once per rank and save, with every field
+    a pre-copied save's event has."""
+    _, saved = blocking
+    assert sorted((e.step, e.rank) for e in saved) == [(s, r) for s in (4, 8, 12) for r in (0, 1)]
+    assert {e["mode"] for e in saved} == {"blocking"}
+    assert all(e["bytes"] is not None and e["blocked_s"] > 0 for e in saved)
+    assert all(set(e.fields) == set(KINDS["checkpoint_saved"]) for e in saved)
 
 
 def test_without_copy_before_write_the_checkpoint_is_not_its_step(tmp_path, straight):
