@@ -235,6 +235,8 @@ def measure_backend(trainer: pl.Trainer, backend: str, path: Path, batches=None)
         _PRECOPY[0] = checkpointing.precopy
         hook = torch.tensor([checkpointing.precopy.hook_s], dtype=torch.float64)
         dist.all_reduce(hook, op=dist.ReduceOp.MAX)
+        progress(trainer, f"  precopy: save call {blocked_s:.3f} s, the steps' copy-before-write {hook.item():.3f} s "
+                          f"over {steps} steps")
         blocked_s += float(hook.item())
     checkpointing.wait()
     strategy.barrier()
