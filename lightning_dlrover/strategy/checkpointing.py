@@ -27,6 +27,10 @@ calls the backend's own ``save`` (for ``dcp``: ``dcp.save`` with ``process_group
 group of its own (created on the first save), so that its collectives never interleave with training's on the
 default group or the control plane.
 
+With ``async_checkpoint="precopy"`` a full save copies only the state that is not in the fused embedding tables while
+training is blocked; the tables are copied by the background writer before it writes, each row before a training step
+writes it (:mod:`~lightning_dlrover.strategy.precopy`), so the checkpoint still holds the state of its step.
+
 With ``incremental_checkpoint_every=N`` every ``N``-th save is full and the others are deltas
 (:mod:`~lightning_dlrover.strategy.incremental`: which, and the rows they hold); both modes above apply to either.
 A delta's staging is its changed rows and the dense state, so it blocks training for a time in proportion to
