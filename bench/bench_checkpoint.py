@@ -12,7 +12,8 @@ state exists, and then, for each backend (``dcp``, ``torchsnapshot``), measures:
   until the background write is committed; for the blocking methods blocked = save; ``<backend>+precopy``
   (``async_checkpoint="precopy"``): training steps run until the save commits, and blocked is the save call plus
   the time those steps spent copying rows before writing them (the slowest rank's);
-- copy floor: a plain ``copy_`` of each rank's local state into fresh memory, the least a staging copy takes;
+- copy floor: a plain ``copy_`` of each rank's local state into memory copied into before (as a save reuses its
+  staging memory), the least a staging copy takes; fresh: the same into new memory (page faults included);
 - restore: ``trainer.strategy.load_checkpoint(path)`` on every rank (a collective);
 - disk: the bytes the checkpoint directory occupies (``du``);
 - reference (``torch.save``): every rank ``torch.save``-s its local shards (and rank 0 the replicated
@@ -106,6 +107,7 @@ class Row:
     blocked_s: float
     steps: float = 0.0
     floor_s: float = 0.0
+    fresh_s: float = 0.0
 
 
 def parse_args() -> argparse.Namespace:
@@ -254,15 +256,20 @@ def agree_alive(checkpointing) -> bool:
     return bool(flag.item())
 
 
-def copy_floor(trainer: pl.Trainer) -> float:
-    """Seconds of a plain copy of this rank's local state into fresh memory (``torch.empty_like`` + ``copy_``, the
-    least the staging copy of a full save can take), the slowest rank's, median of 3."""
+def copy_floor(trainer: pl.Trainer) -> tuple[float, float]:
+    """Seconds of a plain copy of this rank's local state (``copy_``, the least the staging copy of a full save can
+    take) into memory copied into once before (as a save reuses its staging memory), and into fresh memory
+    (``torch.empty_like``: page faults included, as the first save); the slowest rank's, median of 3 each."""
     tensors = list(local_tensors(trainer).values())
-    times = []
+    warm = [t.clone() for t in tensors]
+    reused = statistics.median([timed(trainer, lambda: [w.copy_(t) for w, t in zip(warm, tensors)])
+                                for _ in range(3)])
+    warm.clear()
+    fresh = []
     for _ in range(3):
-        times.append(timed(trainer, lambda: [torch.empty_like(t).copy_(t) for t in tensors]))
+        fresh.append(timed(trainer, lambda: [torch.empty_like(t).copy_(t) for t in tensors]))
         gc.collect()
-    return statistics.median(times)
+    return reused, statistics.median(fresh)
 
 
 def measure_torch_save(trainer: pl.Trainer, path: Path) -> Sample:
@@ -306,7 +313,7 @@ def measure_size(args: argparse.Namespace, size_mb: int, chains: list[ChainRow])
         remove(trainer, root)
     if args.chain:
         chains.extend(measure_chains(args, trainer, size_mb))
-    rows = [Row(size_mb, method, nbytes, *median(samples[method]), floor) for method in methods]
+    rows = [Row(size_mb, method, nbytes, *median(samples[method]), *floor) for method in methods]
     for row in rows:
         progress(trainer, f"{size_mb} MiB {row.method}: save {row.save_s:.2f} s, restore {row.restore_s:.2f} s")
     return rows
@@ -432,10 +439,11 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
           f"median of {args.repeats}.\nemb: fp32 table weights; state: tables + fused optimizer state, summed over "
           f"ranks; save/ts, rest/ts: time relative to {TORCH_SAVE} of each rank's local tensors; +precopy: training "
           "steps run until the save commits (steps), blocked = the save call + the steps' copy-before-write; copy "
-          "floor: a plain copy of a rank's local state into fresh memory (median of 3, slowest rank).")
+          "floor: a plain copy_ of a rank's local state into memory copied into before (fresh: into new memory), "
+          "median of 3, slowest rank.")
     header = (f"{'emb MiB':>8}{'state MiB':>10}  {'method':<20}{'blocked s':>10}{'save s':>8}{'restore s':>10}"
               f"{'save GB/s':>10}{'rest GB/s':>10}{'disk MiB':>9}{'save/ts':>9}{'rest/ts':>9}{'steps':>6}"
-              f"{'copy floor s':>13}")
+              f"{'copy floor s':>13}{'fresh s':>8}")
     print(header)
     print("-" * len(header))
     reference = {r.size_mb: r for r in rows if r.method == TORCH_SAVE}
@@ -445,7 +453,7 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
               f"{r.restore_s:>10.3f}"
               f"{r.state_bytes / GB / r.save_s:>10.2f}{r.state_bytes / GB / r.restore_s:>10.2f}"
               f"{r.disk_bytes / MiB:>9.1f}{r.save_s / ref.save_s:>9.2f}{r.restore_s / ref.restore_s:>9.2f}"
-              f"{r.steps:>6.0f}{r.floor_s:>13.3f}")
+              f"{r.steps:>6.0f}{r.floor_s:>13.3f}{r.fresh_s:>8.3f}")
 
 
 def recommend(rows: list[Row]) -> str:
