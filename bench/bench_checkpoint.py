@@ -9,7 +9,11 @@ state exists, and then, for each backend (``dcp``, ``torchsnapshot``), measures:
   backend, ``meta.pt``, commit by rename), into a fresh directory every time;
 - blocked (methods ``<backend>+async``: ``DLRoverStrategy(async_checkpoint=True)``): the time
   ``trainer.save_checkpoint`` holds training (the state copied into staging memory), beside the save time
-  until the background write is committed; for the blocking methods blocked = save;
+  until the background write is committed; for the blocking methods blocked = save; ``<backend>+precopy``
+  (``async_checkpoint="precopy"``): training steps run until the save commits, and blocked is the save call plus
+  the time those steps spent copying rows before writing them (the slowest rank's);
+- copy floor: a plain ``copy_`` of each rank's local state into memory copied into before (as a save reuses its
+  staging memory), the least a staging copy takes; fresh: the same into new memory (page faults included);
 - restore: ``trainer.strategy.load_checkpoint(path)`` on every rank (a collective);
 - disk: the bytes the checkpoint directory occupies (``du``);
 - reference (``torch.save``): every rank ``torch.save``-s its local shards (and rank 0 the replicated
@@ -87,6 +91,7 @@ class Sample:
     restore_s: float
     disk_bytes: int
     blocked_s: float = 0.0
+    steps: int = 0
 
 
 @dataclass
@@ -100,6 +105,9 @@ class Row:
     restore_s: float
     disk_bytes: int
     blocked_s: float
+    steps: float = 0.0
+    floor_s: float = 0.0
+    fresh_s: float = 0.0
 
 
 def parse_args() -> argparse.Namespace:
@@ -202,25 +210,66 @@ def remove(trainer: pl.Trainer, path: Path) -> None:
     trainer.strategy.barrier()
 
 
-def measure_backend(trainer: pl.Trainer, backend: str, path: Path) -> Sample:
-    """One save through the strategy with ``backend`` (``<name>+async``: an asynchronous save) into ``path``, then
-    one restore from it."""
+#: The pre-copy hooks of ``+precopy`` saves, kept aside while other methods are measured (they would copy too).
+_PRECOPY: dict[int, object] = {}
+
+
+def measure_backend(trainer: pl.Trainer, backend: str, path: Path, batches=None) -> Sample:
+    """One save through the strategy with ``backend`` (``<name>+async``: an asynchronous save; ``<name>+precopy``: a
+    pre-copied one, with training steps run until it commits) into ``path``, then one restore from it."""
     strategy = trainer.strategy
     assert isinstance(strategy, DLRoverStrategy)
     name, _, mode = backend.partition("+")
     strategy.checkpoint_backend = get_backend(name)
-    strategy.checkpointing.asynchronous = mode == "async"
+    checkpointing = strategy.checkpointing
+    checkpointing.asynchronous = mode in ("async", "precopy")
+    checkpointing.precopy = _PRECOPY.pop(0, True) if mode == "precopy" else None
     strategy.barrier()
     start = time.perf_counter()
     trainer.save_checkpoint(path)
     strategy.barrier()
     blocked_s = time.perf_counter() - start
-    strategy.checkpointing.wait()
+    steps = 0
+    if mode == "precopy":  # steps run (every rank alike) while the copy and the write go on: their hooks copy rows
+        while agree_alive(checkpointing):
+            train_steps(trainer, batches, 1)
+            steps += 1
+        _PRECOPY[0] = checkpointing.precopy
+        hook = torch.tensor([checkpointing.precopy.hook_s], dtype=torch.float64)
+        dist.all_reduce(hook, op=dist.ReduceOp.MAX)
+        progress(trainer, f"  precopy: save call {blocked_s:.3f} s, the steps' copy-before-write {hook.item():.3f} s "
+                          f"over {steps} steps")
+        blocked_s += float(hook.item())
+    checkpointing.wait()
     strategy.barrier()
     save_s = time.perf_counter() - start
-    strategy.checkpointing.asynchronous = False
+    checkpointing.asynchronous, checkpointing.precopy = False, None
     restore_s = timed(trainer, lambda: strategy.load_checkpoint(path))
-    return Sample(save_s, restore_s, disk_bytes(path) if trainer.is_global_zero else 0, blocked_s)
+    return Sample(save_s, restore_s, disk_bytes(path) if trainer.is_global_zero else 0, blocked_s, steps)
+
+
+def agree_alive(checkpointing) -> bool:
+    """Whether any rank's background save is still running (a collective)."""
+    thread = checkpointing._thread
+    flag = torch.tensor([int(thread is not None and thread.is_alive())], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def copy_floor(trainer: pl.Trainer) -> tuple[float, float]:
+    """Seconds of a plain copy of this rank's local state (``copy_``, the least the staging copy of a full save can
+    take) into memory copied into once before (as a save reuses its staging memory), and into fresh memory
+    (``torch.empty_like``: page faults included, as the first save); the slowest rank's, median of 3 each."""
+    tensors = list(local_tensors(trainer).values())
+    warm = [t.clone() for t in tensors]
+    reused = statistics.median([timed(trainer, lambda: [w.copy_(t) for w, t in zip(warm, tensors)])
+                                for _ in range(3)])
+    warm.clear()
+    fresh = []
+    for _ in range(3):
+        fresh.append(timed(trainer, lambda: [torch.empty_like(t).copy_(t) for t in tensors]))
+        gc.collect()
+    return reused, statistics.median(fresh)
 
 
 def measure_torch_save(trainer: pl.Trainer, path: Path) -> Sample:
@@ -246,22 +295,25 @@ def measure_size(args: argparse.Namespace, size_mb: int, chains: list[ChainRow])
     trainer = train(args, size_mb)
     tmp = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.tmp) if trainer.is_global_zero else ""
     root = Path(trainer.strategy.broadcast(tmp))
-    asynchronous = [] if args.no_async else [f"{b}+async" for b in args.backends]
+    asynchronous = [] if args.no_async else [f"{b}+{m}" for b in args.backends for m in ("async", "precopy")]
     methods = [*([] if args.async_only else args.backends), *asynchronous, TORCH_SAVE]
     samples: dict[str, list[Sample]] = {method: [] for method in methods}
+    batches = iter(trainer.datamodule.train_dataloader())
     try:
         nbytes = state_bytes(trainer)
+        floor = copy_floor(trainer)
         for repeat in range(args.repeats):
             for method in methods[repeat % len(methods) :] + methods[: repeat % len(methods)]:
                 path = root / f"{method}-{repeat}"
-                measure = measure_torch_save if method == TORCH_SAVE else partial(measure_backend, backend=method)
+                measure = (measure_torch_save if method == TORCH_SAVE else
+                           partial(measure_backend, backend=method, batches=batches))
                 samples[method].append(measure(trainer, path=path))
                 remove(trainer, path)
     finally:
         remove(trainer, root)
     if args.chain:
         chains.extend(measure_chains(args, trainer, size_mb))
-    rows = [Row(size_mb, method, nbytes, *median(samples[method])) for method in methods]
+    rows = [Row(size_mb, method, nbytes, *median(samples[method]), *floor) for method in methods]
     for row in rows:
         progress(trainer, f"{size_mb} MiB {row.method}: save {row.save_s:.2f} s, restore {row.restore_s:.2f} s")
     return rows
@@ -365,13 +417,15 @@ def print_chains(rows: list[ChainRow], args: argparse.Namespace) -> None:
               f"{r.rows:>11.0f}{per_row:>7.0f}{r.restore_s:>10.3f}")
 
 
-def median(samples: list[Sample]) -> tuple[float, float, int, float]:
-    """Median save and restore seconds, the largest disk size and the median blocked seconds of ``samples``."""
+def median(samples: list[Sample]) -> tuple[float, float, int, float, float]:
+    """Median save and restore seconds, the largest disk size, the median blocked seconds and steps run during the
+    save of ``samples``."""
     return (
         statistics.median(s.save_s for s in samples),
         statistics.median(s.restore_s for s in samples),
         max(s.disk_bytes for s in samples),
         statistics.median(s.blocked_s for s in samples),
+        statistics.median(s.steps for s in samples),
     )
 
 
@@ -383,9 +437,13 @@ def progress(trainer: pl.Trainer, message: str) -> None:
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     print(f"\nDLRoverStrategy checkpoints: {args.devices} ranks (gloo, CPU), 26 tables x {args.embedding_dim} columns, "
           f"median of {args.repeats}.\nemb: fp32 table weights; state: tables + fused optimizer state, summed over "
-          f"ranks; save/ts, rest/ts: time relative to {TORCH_SAVE} of each rank's local tensors.")
+          f"ranks; save/ts, rest/ts: time relative to {TORCH_SAVE} of each rank's local tensors; +precopy: training "
+          "steps run until the save commits (steps), blocked = the save call + the steps' copy-before-write; copy "
+          "floor: a plain copy_ of a rank's local state into memory copied into before (fresh: into new memory), "
+          "median of 3, slowest rank.")
     header = (f"{'emb MiB':>8}{'state MiB':>10}  {'method':<20}{'blocked s':>10}{'save s':>8}{'restore s':>10}"
-              f"{'save GB/s':>10}{'rest GB/s':>10}{'disk MiB':>9}{'save/ts':>9}{'rest/ts':>9}")
+              f"{'save GB/s':>10}{'rest GB/s':>10}{'disk MiB':>9}{'save/ts':>9}{'rest/ts':>9}{'steps':>6}"
+              f"{'copy floor s':>13}{'fresh s':>8}")
     print(header)
     print("-" * len(header))
     reference = {r.size_mb: r for r in rows if r.method == TORCH_SAVE}
@@ -394,7 +452,8 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
         print(f"{r.size_mb:>8}{r.state_bytes / MiB:>10.1f}  {r.method:<20}{r.blocked_s:>10.3f}{r.save_s:>8.3f}"
               f"{r.restore_s:>10.3f}"
               f"{r.state_bytes / GB / r.save_s:>10.2f}{r.state_bytes / GB / r.restore_s:>10.2f}"
-              f"{r.disk_bytes / MiB:>9.1f}{r.save_s / ref.save_s:>9.2f}{r.restore_s / ref.restore_s:>9.2f}")
+              f"{r.disk_bytes / MiB:>9.1f}{r.save_s / ref.save_s:>9.2f}{r.restore_s / ref.restore_s:>9.2f}"
+              f"{r.steps:>6.0f}{r.floor_s:>13.3f}{r.fresh_s:>8.3f}")
 
 
 def recommend(rows: list[Row]) -> str:

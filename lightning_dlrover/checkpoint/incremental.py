@@ -122,13 +122,20 @@ def write_rows(checkpoint: Path, rank: int, rows: Rows) -> None:
     torch.save({path: [(s.rows, s.col, s.values) for s in shards] for path, shards in rows.entries.items()}, target)
 
 
-def apply_rows(checkpoint: Path, state: dict[str, Any]) -> int:
+def apply_rows(checkpoint: Path, state: dict[str, Any], plain: dict[str, torch.Tensor] | None = None) -> int:
     """Copies the delta's rows (every rank's file) into the local shards of ``state``'s live ``ShardedTensor``s that
-    hold them (in place); returns the rows copied."""
+    hold them (in place), or, for the paths in ``plain``, into those whole 1-D tensors of the saved layout
+    (:mod:`~lightning_dlrover.checkpoint.layout`); returns the rows copied."""
     targets = {path: value for path, value in flatten(state) if isinstance(value, ShardedTensor)}
+    plain = plain or {}
     copied = 0
     for part in sorted((checkpoint / ROWS_DIR).glob("rank-*.pt")):
         for path, shards in torch.load(part, map_location="cpu", weights_only=True).items():
+            if path in plain:
+                for rows, _, values in shards:
+                    plain[path].index_copy_(0, rows, values.to(plain[path]))
+                    copied += int(rows.numel())
+                continue
             if path not in targets:
                 raise KeyError(f"{part} holds rows of {path!r}, which the model being restored has no entry for: "
                                "restore into the model that wrote the checkpoint.")

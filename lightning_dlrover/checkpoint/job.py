@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dlrover.checkpoint import directory, incremental
+from lightning_dlrover.checkpoint import directory, incremental, layout
 from lightning_dlrover.checkpoint.backends import CheckpointBackend, get_backend
-from lightning_dlrover.checkpoint.sharded import complete_sharded_state, copy_state
+from lightning_dlrover.checkpoint.sharded import Later, complete_sharded_state, copy_state
 
 if TYPE_CHECKING:
     from torchrec.optim.keyed import KeyedOptimizer
@@ -49,6 +50,8 @@ class PendingSave:
     tracked: set[str] = field(default_factory=set)
     #: ``{"chain": ID, "link": i, ...}`` of a link of an incremental chain (``None``: no chain).
     link: dict[str, Any] | None = None
+    #: ``(live, staging)`` local shards :func:`prepare` left to its caller to copy before the write (a pre-copy).
+    later: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def write(self, group: Any = None, after_shards: Callable[[], None] | None = None) -> None:
         """Writes every rank's shards, then (after ``after_shards``) on rank 0 ``meta.pt`` and ``dlrover.json``,
@@ -88,6 +91,7 @@ def prepare(
     reuse: PendingSave | None = None,
     link: dict[str, Any] | None = None,
     delta: tuple[set[str], dict[int, Any]] | None = None,
+    later: set[str] | None = None,
 ) -> PendingSave:
     """Gathers what a checkpoint of ``checkpoint`` (Lightning's dict; its ``state_dict`` is taken out and saved
     sharded) at ``path`` holds (a collective). With ``copy``, every tensor is copied (see
@@ -96,7 +100,9 @@ def prepare(
     ``extra_meta`` (a collective, called on every rank) returns entries rank 0 adds to ``meta.pt``;
     ``barrier(name)`` synchronises the ranks. ``link`` (``{"chain": ID, "link": i}``) makes it a link of an
     incremental chain; ``delta`` (the tracked entries' paths, and the changed local rows of each tracked local shard
-    by its data pointer) makes it a delta: the tracked entries' changed rows are copied out, the rest in full."""
+    by its data pointer) makes it a delta: the tracked entries' changed rows are copied out, the rest in full. With
+    ``copy``, the local shards of the ``ShardedTensor``s at the paths in ``later`` are not copied but get staging
+    memory (:attr:`PendingSave.later`: the caller fills it before :meth:`PendingSave.write`)."""
     staging = directory.staging_path(path)
     if is_global_zero and staging.exists():
         shutil.rmtree(staging)
@@ -113,12 +119,14 @@ def prepare(
         rows = incremental.take_rows(sharded, tracked, changed)
         sharded = incremental.split(sharded, tracked)
     staged = rows.nbytes if rows is not None else 0
+    deferred = Later(set(later or ()))
     if copy:
-        old = (reuse.sharded, reuse.meta) if reuse is not None else None
-        (sharded, meta), size = copy_state((sharded, meta), old)
-        staged += size
+        old_sharded, old_meta = (reuse.sharded, reuse.meta) if reuse is not None else (None, None)
+        sharded, size = copy_state(sharded, old_sharded, deferred if later else None)
+        meta, meta_size = copy_state(meta, old_meta)
+        staged += size + meta_size
     return PendingSave(path, staging, backend, sharded, meta, info if is_global_zero else None,
-                       int(checkpoint["global_step"]), staged, rows, tracked, link)
+                       int(checkpoint["global_step"]), staged, rows, tracked, link, deferred.pairs)
 
 
 def save(
@@ -177,17 +185,26 @@ def load(
     sharded["fused_optimizer"] = {k: v for k, v in sharded["fused_optimizer"].items() if v}
     if not sharded["fused_optimizer"]:
         del sharded["fused_optimizer"]
-    get_backend(directory.read_info(links[0])["backend"]).load(sharded, links[0] / directory.SHARDED_DIR)
+    first = get_backend(directory.read_info(links[0])["backend"])
+    # row-wise optimizer states saved with another column split (table-wise into column-wise and back)
+    relayouts = layout.take_relayouts(sharded, links[0] / directory.SHARDED_DIR) if first.name == "dcp" else []
+    fused = sharded.get("fused_optimizer", {})
+    if relayouts:  # a table whose every state was taken out has an empty dict, which no backend can ask for
+        sharded = {**sharded, "fused_optimizer": {k: v for k, v in fused.items() if v}}
+        if not sharded["fused_optimizer"]:
+            del sharded["fused_optimizer"]
+    first.load(sharded, links[0] / directory.SHARDED_DIR)
     if len(links) > 1:
         for link in links[1:]:
-            incremental.apply_rows(link, sharded)
+            incremental.apply_rows(link, sharded, plain={r.path: r.saved for r in relayouts})
         tracked = set(incremental.link_info(last).get("tracked", []))
         rest = incremental.split(sharded, tracked)
         backend.load(rest, last / directory.SHARDED_DIR)
         _merge(sharded, rest)
+    for relayout in relayouts:
+        relayout.finish()
     module.load_state_dict(sharded["model"], strict=strict)
-    loaded = sharded.get("fused_optimizer", {})
-    fused_optimizer.load_state_dict({"state": {k: loaded.get(k, v) for k, v in fused_optimizer.state_dict()["state"].items()}})
+    fused_optimizer.load_state_dict({"state": {k: fused.get(k, v) for k, v in fused_optimizer.state_dict()["state"].items()}})
     return meta
 
 

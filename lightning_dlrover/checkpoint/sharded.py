@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,18 +49,32 @@ def complete_sharded_state(state: dict[str, dict[str, Any]]) -> dict[str, dict[s
     return complete
 
 
-def copy_state(state: Any, reuse: Any = None) -> tuple[Any, int]:
+@dataclass
+class Later:
+    """What :func:`copy_state` leaves to its caller to copy: the paths, and the ``(live, staging)`` pairs it found."""
+
+    paths: set[str]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+def copy_state(state: Any, reuse: Any = None, later: Later | None = None, path: str = "") -> tuple[Any, int]:
     """A copy of nested dicts, lists and tuples whose tensors (and ``ShardedTensor`` local shards) are copied into
     memory the training steps never touch, and the bytes those copies hold. A tensor of ``reuse`` (an earlier copy
     of the same state that nothing reads any more) of the same place, shape and dtype is copied into instead of new
     memory (no page faults on a fresh allocation). Other leaves are shared (training does not change them in place).
-    The copy of a ``ShardedTensor`` keeps its global metadata (no collective)."""
+    The copy of a ``ShardedTensor`` keeps its global metadata (no collective). With ``later``, the local shards of
+    the ``ShardedTensor``s at the paths (``flatten``'s) in ``later.paths`` are not copied: their staging memory is
+    allocated (or reused) and each ``(live shard, staging)`` pair appended to ``later.pairs``, for the caller to
+    fill (a pre-copy)."""
     if isinstance(state, ShardedTensor):
         old = reuse.local_shards() if isinstance(reuse, ShardedTensor) else []
         if len(old) != len(state.local_shards()):
             old = [None] * len(state.local_shards())
-        shards = [Shard(_copy_tensor(shard.tensor, getattr(previous, "tensor", None)), shard.metadata)
-                  for shard, previous in zip(state.local_shards(), old, strict=True)]
+        defer = later is not None and path.rstrip("/") in later.paths
+        shards = [Shard((_empty_like if defer else _copy_tensor)(shard.tensor, getattr(previous, "tensor", None)),
+                        shard.metadata) for shard, previous in zip(state.local_shards(), old, strict=True)]
+        if defer:
+            later.pairs += [(live.tensor, staged.tensor) for live, staged in zip(state.local_shards(), shards)]
         size = sum(shard.tensor.numel() * shard.tensor.element_size() for shard in shards)
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, state.metadata()), size
     if isinstance(state, torch.Tensor):
@@ -67,19 +82,27 @@ def copy_state(state: Any, reuse: Any = None) -> tuple[Any, int]:
     if isinstance(state, Mapping):
         copied, total = copy.copy(state), 0
         for key, value in state.items():
-            copied[key], size = copy_state(value, reuse.get(key) if isinstance(reuse, Mapping) else None)
+            copied[key], size = copy_state(value, reuse.get(key) if isinstance(reuse, Mapping) else None, later,
+                                           f"{path}{key}/")
             total += size
         return copied, total
     if type(state) in (list, tuple):
         old = reuse if type(reuse) is type(state) and len(reuse) == len(state) else [None] * len(state)
-        pairs = [copy_state(value, previous) for value, previous in zip(state, old, strict=True)]
+        pairs = [copy_state(value, previous, later, f"{path}{i}/")
+                 for i, (value, previous) in enumerate(zip(state, old, strict=True))]
         return type(state)(value for value, _ in pairs), sum(size for _, size in pairs)
     return state, 0
 
 
+def _fits(tensor: torch.Tensor, into: Any) -> bool:
+    return (isinstance(into, torch.Tensor) and into.shape == tensor.shape and into.dtype == tensor.dtype
+            and into.device == tensor.device and into.is_contiguous() and into.stride() == tensor.stride())
+
+
 def _copy_tensor(tensor: torch.Tensor, into: Any) -> torch.Tensor:
     source = tensor.detach()
-    if (isinstance(into, torch.Tensor) and into.shape == source.shape and into.dtype == source.dtype
-            and into.device == source.device and into.is_contiguous() and into.stride() == source.stride()):
-        return into.copy_(source)
-    return source.clone()
+    return into.copy_(source) if _fits(source, into) else source.clone()
+
+
+def _empty_like(tensor: torch.Tensor, into: Any) -> torch.Tensor:
+    return into if _fits(tensor, into) else torch.empty_like(tensor.detach(), memory_format=torch.contiguous_format)

@@ -99,9 +99,13 @@ KINDS: dict[str, tuple[str, ...]] = {
     # blocked, write_s: until the commit); waited: a save waited for the one in flight; failed: nothing was committed,
     # kept: the newest complete checkpoint (rank 0). Incremental saves (incremental_checkpoint_every): saved has link
     # (0: full, i: the i-th delta of its chain) and rows (this rank's rows in the delta); chain_broken: a resume found
-    # a link of the chain missing and restored the newest complete prefix (used: its last link, step: its step)
+    # a link of the chain missing and restored the newest complete prefix (used: its last link, step: its step).
+    # Every committed save (blocking too) emits saved once with every field (None where it does not apply); a full
+    # save with async_checkpoint="precopy" has mode "precopy", precopy_rows (rows the steps copied before writing
+    # them) and precopy_hook_s (their time, counted in blocked_s)
     "checkpoint_staging": ("bytes",),
-    "checkpoint_saved": ("path", "mode", "blocked_s", "write_s", "bytes", "link", "rows"),
+    "checkpoint_saved": ("path", "mode", "blocked_s", "write_s", "bytes", "link", "rows", "precopy_rows",
+                         "precopy_hook_s"),
     "checkpoint_chain_broken": ("path", "missing_link", "used"),
     "checkpoint_waited": ("path", "previous", "waited_s"),
     "checkpoint_failed": ("path", "error_type", "error", "kept"),

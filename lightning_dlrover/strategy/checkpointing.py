@@ -27,6 +27,10 @@ calls the backend's own ``save`` (for ``dcp``: ``dcp.save`` with ``process_group
 group of its own (created on the first save), so that its collectives never interleave with training's on the
 default group or the control plane.
 
+With ``async_checkpoint="precopy"`` a full save copies only the state that is not in the fused embedding tables while
+training is blocked; the tables are copied by the background writer before it writes, each row before a training step
+writes it (:mod:`~lightning_dlrover.strategy.precopy`), so the checkpoint still holds the state of its step.
+
 With ``incremental_checkpoint_every=N`` every ``N``-th save is full and the others are deltas
 (:mod:`~lightning_dlrover.strategy.incremental`: which, and the rows they hold); both modes above apply to either.
 A delta's staging is its changed rows and the dense state, so it blocks training for a time in proportion to
@@ -53,28 +57,39 @@ from lightning_dlrover.checkpoint import directory, incremental, job
 from lightning_dlrover.checkpoint.sharded import flatten
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor import emit
-from lightning_dlrover.strategy import process_exit
+from lightning_dlrover.strategy import precopy, process_exit
 from lightning_dlrover.strategy.incremental import ChainPolicy
+from lightning_dlrover.strategy.precopy import PreCopy
 
 log = get_logger(__name__)
 
 #: Environment variable for drills and tests: ``sleep=S`` sleeps ``S`` seconds in the background writer after the
 #: shards are written, before ``meta.pt`` and the commit; ``fail=ENOSPC`` (any ``errno`` name) raises that
-#: ``OSError`` there. ``,rank=R`` and ``,step=S`` restrict it to one rank, one checkpoint step.
+#: ``OSError`` there. ``,rank=R`` and ``,step=S`` restrict it to one rank, one checkpoint step. With the pre-copy,
+#: ``copy_sleep=S`` sleeps ``S`` seconds after each chunk of the background copy, ``chunk_bytes=B`` sets its chunk size
+#: (so that training steps certainly run during it), and ``skip_hooks=1`` breaks it on purpose: the steps copy no
+#: rows before they write them (the tests check that this is caught).
 WRITE_HOOK_ENV = "LIGHTNING_DLROVER_CHECKPOINT_WRITE_HOOK"
 #: The least time a rank's background writer waits for the other ranks' (their writes may be slow).
 WRITER_TIMEOUT = timedelta(hours=1)
 
 
-def _write_hook(step: int) -> None:
+def _hook_fields(step: int) -> dict[str, str]:
+    """The fields of ``$LIGHTNING_DLROVER_CHECKPOINT_WRITE_HOOK`` that apply to this rank's save of ``step``."""
     spec = os.environ.get(WRITE_HOOK_ENV)
     if not spec:
-        return
+        return {}
     fields = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
     if "rank" in fields and int(fields["rank"]) != dist.get_rank():
-        return
+        return {}
     if "step" in fields and int(fields["step"]) != step:
-        return
+        return {}
+    return fields
+
+
+def _write_hook(step: int) -> None:
+    fields = _hook_fields(step)
+    spec = os.environ.get(WRITE_HOOK_ENV)
     if "sleep" in fields:
         time.sleep(float(fields["sleep"]))
     if "fail" in fields:
@@ -85,8 +100,13 @@ def _write_hook(step: int) -> None:
 class Checkpointing:
     """Saves (blocking or in the background) and removes the strategy's checkpoints; see the module docs."""
 
-    def __init__(self, asynchronous: bool, timeout: timedelta | None, incremental_every: int | None = None) -> None:
-        self.asynchronous = asynchronous
+    def __init__(self, asynchronous: bool | str, timeout: timedelta | None,
+                 incremental_every: int | None = None) -> None:
+        if asynchronous not in (True, False, "precopy"):
+            raise ValueError(f"async_checkpoint={asynchronous!r} must be False, True or 'precopy' (a full save copies "
+                             "the embedding tables in the background: strategy/precopy.py).")
+        self.asynchronous = bool(asynchronous)
+        self.precopy: PreCopy | None | bool = asynchronous == "precopy" or None  # True: on, not built yet
         self.policy = ChainPolicy(incremental_every) if incremental_every else None
         self._committed: bool | None = None  # the outcome of the last save (None: none yet)
         self._live_chain: str | None = None  # the chain of the last committed full link (rank 0)
@@ -114,7 +134,7 @@ class Checkpointing:
             if self.policy is not None:
                 self.policy.settle(True)
                 self._after_commit(pending, strategy.is_global_zero)
-                self._report_saved(pending, "blocking", start)
+            self._report_saved(pending, "blocking", start)
             return
         self.wait(path)
         kwargs.update(self._plan(strategy, checkpoint))
@@ -126,8 +146,15 @@ class Checkpointing:
             self._group, self._broken = dist.new_group(backend="gloo", timeout=self._writer_timeout()), False
             self._made_for = dist.group.WORLD
         delta = kwargs.get("delta") is not None
+        if self.precopy and not delta:
+            self.precopy = precopy.ensure(self.precopy if isinstance(self.precopy, PreCopy) else None,
+                                          strategy.model, lambda: self._structure(strategy, checkpoint))
+            kwargs["later"] = self.precopy.paths
         pending = job.prepare(checkpoint, path, strategy.checkpoint_backend, strategy.fused_optimizer, copy=True,
                               reuse=self._reuse.pop(delta, None), **kwargs)
+        if pending.later:
+            self.precopy.arm(pending.later)  # from here every step copies the rows it looks up before writing them
+            self.precopy.active = not _hook_fields(pending.step).get("skip_hooks")
         self.last_blocked_s = time.perf_counter() - start
         if not self._reported_staging:
             self._reported_staging = True
@@ -150,10 +177,14 @@ class Checkpointing:
         if self._committed is not None:
             self.policy.settle(self._committed)
             self._committed = None
-        state = lambda: {"model": checkpoint["state_dict"],  # noqa: E731
-                         "fused_optimizer": job.fused_optimizer_state(strategy.fused_optimizer)}
-        link, delta = self.policy.plan(strategy.model, state)
+        link, delta = self.policy.plan(strategy.model, lambda: self._structure(strategy, checkpoint))
         return {"link": link, "delta": delta}
+
+    @staticmethod
+    def _structure(strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The sharded part of a save of ``checkpoint``, as :func:`job.prepare` builds it (a collective)."""
+        return {"model": checkpoint["state_dict"],
+                "fused_optimizer": job.fused_optimizer_state(strategy.fused_optimizer)}
 
     def _after_commit(self, pending: job.PendingSave, is_global_zero: bool) -> None:
         """After a committed full link, deletes the links of older chains that nothing needs (rank 0)."""
@@ -162,9 +193,15 @@ class Checkpointing:
             self._collect(pending.path.parent)
 
     def _report_saved(self, pending: job.PendingSave, mode: str, start: float) -> None:
-        emit("checkpoint_saved", step=pending.step, path=str(pending.path), mode=mode,
-             blocked_s=round(self.last_blocked_s, 4), write_s=round(time.perf_counter() - start, 4),
-             bytes=pending.staged_bytes, **_link_fields(pending))
+        """The event ``checkpoint_saved`` of a committed save, the same fields whichever the mode."""
+        pre = self.precopy if pending.later and isinstance(self.precopy, PreCopy) else None
+        blocked = self.last_blocked_s + (pre.hook_s if pre is not None else 0.0)
+        emit("checkpoint_saved", step=pending.step, path=str(pending.path), mode="precopy" if pre else mode,
+             blocked_s=round(blocked, 4), write_s=round(time.perf_counter() - start, 4), bytes=pending.staged_bytes,
+             link=pending.link["link"] if pending.link is not None else None,
+             rows=pending.rows.count if pending.rows is not None else None,
+             precopy_rows=pre.hook_rows if pre is not None else None,
+             precopy_hook_s=round(pre.hook_s, 4) if pre is not None else None)
 
     def _collect(self, checkpoint_dir: Path) -> None:
         for path in incremental.collect(checkpoint_dir, self._live_chain or ""):
@@ -210,6 +247,8 @@ class Checkpointing:
     def _write(self, pending: job.PendingSave, is_global_zero: bool, start: float) -> None:
         error: BaseException | None = None
         try:
+            if pending.later:
+                self._copy(pending)
             pending.write(self._group, after_shards=lambda: _write_hook(pending.step))
         except BaseException as err:  # reported below, after the ranks agree; DCP's CheckpointException is a
             error = _cause(err)  # BaseException holding every failed rank's error
@@ -244,6 +283,12 @@ class Checkpointing:
         log.warning(f"lightning_dlrover: the asynchronous checkpoint {pending.path} was not saved ({why}); training "
                     f"goes on, the newest complete checkpoint is {kept if is_global_zero else 'unchanged'}. Free disk "
                     "space or fix the directory's permissions.")
+
+    def _copy(self, pending: job.PendingSave) -> None:
+        """The pre-copy of ``pending``'s fused tables (the writer thread; see :mod:`.precopy`)."""
+        fields = _hook_fields(pending.step)
+        pause = (lambda: time.sleep(float(fields["copy_sleep"]))) if "copy_sleep" in fields else None
+        self.precopy.copy(int(fields.get("chunk_bytes", precopy.CHUNK_BYTES)), pause)
 
     def _agree(self, ok: bool) -> bool:
         """Whether ``ok`` holds on every rank's writer (a collective over the writers' group)."""
@@ -305,10 +350,4 @@ def _local_tensors(state: Any) -> list[torch.Tensor]:
             out.append(value)
     return out
 
-
-def _link_fields(pending: job.PendingSave) -> dict[str, Any]:
-    """``link`` and ``rows`` of ``checkpoint_saved`` for a link of an incremental chain (none otherwise)."""
-    if pending.link is None:
-        return {}
-    return {"link": pending.link["link"], "rows": pending.rows.count if pending.rows is not None else None}
 

@@ -76,7 +76,7 @@ class DLRoverStrategy(DDPStrategy):
             state dict) the first ``fit`` starts from: the model is sharded, then every rank copies in its own shards'
             rows; optimizer and trainer state start fresh (step 0). A checkpoint to resume from (``ckpt_path``) wins.
         async_checkpoint: a save blocks training only while the state is copied; the write and the commit run in
-            the background (see :mod:`~lightning_dlrover.strategy.checkpointing`).
+            the background (see :mod:`.checkpointing`); ``"precopy"``: the tables are copied in the background too.
         incremental_checkpoint_every: a full checkpoint every ``N`` saves, the saves between them only the embedding
             rows changed since the previous one (and the rest of the state in full); see :mod:`.incremental`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -95,7 +95,7 @@ class DLRoverStrategy(DDPStrategy):
         parity: ParityConfig | Literal["auto"] | None = None,
         print_digest: bool = True,
         init_from: str | Path | None = None,
-        async_checkpoint: bool = False,
+        async_checkpoint: bool | Literal["precopy"] = False,
         incremental_checkpoint_every: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,

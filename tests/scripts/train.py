@@ -78,12 +78,14 @@ def main() -> None:
     parser.add_argument("--backend", default="dcp")
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--ckpt-every", type=int, default=0)
-    parser.add_argument("--async-ckpt", action="store_true", help="DLRoverStrategy(async_checkpoint=True)")
+    parser.add_argument("--async-ckpt", nargs="?", const=True, default=False, choices=[True, "precopy"],
+                        help="DLRoverStrategy(async_checkpoint=True), or ='precopy'")
     parser.add_argument("--incremental", type=int, default=None, metavar="N",
                         help="DLRoverStrategy(incremental_checkpoint_every=N)")
     parser.add_argument("--save-top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k=...)")
     parser.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--save-after", default=None, metavar="PATH", help="trainer.save_checkpoint(PATH) after fit")
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--monitor", action="store_true")
@@ -143,6 +145,8 @@ def main() -> None:
     model = DLRMModule(SIZES, embedding_dim=16)
     data = DLRMDataModule(SIZES, global_batch_size=args.batch, train_batches=1000, val_batches=0, seed=args.seed)
     trainer.fit(model, data, ckpt_path=args.resume)
+    if args.save_after:
+        trainer.save_checkpoint(args.save_after)
 
 
 if __name__ == "__main__":

@@ -174,7 +174,8 @@ def main() -> None:
     parser.add_argument("--init-log", default=None, help="tables initialised by an init_fn that logs its pid here")
     parser.add_argument("--root", default=".")
     parser.add_argument("--resume", default=None)
-    parser.add_argument("--async-ckpt", action="store_true", help="DLRoverStrategy(async_checkpoint=True)")
+    parser.add_argument("--async-ckpt", nargs="?", const=True, default=False, choices=[True, "precopy"],
+                        help="DLRoverStrategy(async_checkpoint=True), or ='precopy'")
     parser.add_argument("--incremental", type=int, default=None, metavar="N",
                         help="DLRoverStrategy(incremental_checkpoint_every=N)")
     parser.add_argument("--save-after", action="append", default=[], metavar="PATH",

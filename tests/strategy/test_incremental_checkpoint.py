@@ -186,6 +186,18 @@ def test_user_model_with_parity_resumes_from_a_delta(tmp_path):
     assert digests(resumed.stdout)["end"] == digests(first.stdout)["end"]
 
 
+def test_export_refuses_a_delta_and_names_what_to_export(tmp_path, chain):
+    """``export`` of a delta (it holds only the rows changed since the previous link) is refused with an error naming
+    the link and what to export instead; nothing is written."""
+    from lightning_dlrover.export import BadCheckpoint, export_checkpoint
+
+    _, ckpt, _, _ = chain
+    with pytest.raises(BadCheckpoint, match=r"epoch=0-step=8.ckpt is a delta of an incremental checkpoint chain "
+                                            r"\(link 1\).*Export the chain's full checkpoint"):
+        export_checkpoint(ckpt / "epoch=0-step=8.ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_staging_memory_is_known_before_the_first_save(chain):
     """Before its first save (after the first step), the strategy tells the advisor's OOM forecast how much staging
     memory the save will allocate (``checkpoint_staging_bytes``): what the first save then reports staging
