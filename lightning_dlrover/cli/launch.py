@@ -45,6 +45,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "below LIGHTNING_DLROVER_PLAN_TIMEOUT, 10 s, which the survivors wait for a plan)")
     p.add_argument("--settle", type=float, default=0.1,
                    help="seconds to wait after a first failure for others that come with it, so they share one recovery")
+    p.add_argument("--no-zygote", dest="zygote", action="store_false",
+                   help="start every worker as a fresh interpreter instead of forking it from a warm process that "
+                        "imported torch, TorchRec and Lightning once (spares and replacements are then ready later)")
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py [args] (or -m module [args])")
     args = p.parse_args(argv)
     if args.program[:1] == ["--"]:
