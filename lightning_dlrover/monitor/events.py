@@ -61,7 +61,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     # "idle" (SCHED_IDLE) or "normal" CPU priority (the message says why once); forked: from the warm zygote
     "spares_started": ("spares", "pids", "generation", "priority", "forked"),
     # the launcher's zygote (fault/inplace/zygote.py) imported `preloaded` (`failed`: {module: error}) in import_s
-    "zygote_ready": ("pid", "import_s", "preloaded", "failed"),
+    "zygote_ready": ("zygote_pid", "import_s", "preloaded", "failed"),
     "zygote_lost": ("why",),  # the zygote cannot fork any more: later workers start as fresh interpreters
     "spare_ready": ("spare",),  # a hot spare finished starting (imports) and waits for a rank to take
     "recovered_in_process": ("survivor", "lost_ranks", "decode_s", "reshard_s", "lost_at", "failed_at",

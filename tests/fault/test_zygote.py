@@ -165,10 +165,10 @@ def test_a_killed_zygote_loses_no_worker_and_later_spares_start_as_fresh_interpr
             assert time.monotonic() < deadline and launcher.poll() is None, launcher.stdout.read()[-4000:]
             ready = [e for e in read_events([events_file]) if e.kind == "zygote_ready"]
             # (a forked worker shows the zygote's command line: tell them apart by the pid the launcher reported)
-            ranks = [c.pid for c in psutil.Process(launcher.pid).children() if ready and c.pid != ready[0]["pid"]]
+            ranks = [c.pid for c in psutil.Process(launcher.pid).children() if ready and c.pid != ready[0]["zygote_pid"]]
             if len(ranks) >= 2:
-                os.kill(ready[0]["pid"], signal.SIGKILL)
-                killed = ready[0]["pid"]
+                os.kill(ready[0]["zygote_pid"], signal.SIGKILL)
+                killed = ready[0]["zygote_pid"]
             time.sleep(0.05)
         out, _ = launcher.communicate(timeout=400)
     finally:

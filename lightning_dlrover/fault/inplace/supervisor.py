@@ -25,7 +25,8 @@ Being ready costs the job nothing measurable: the ranks start alone, and a launc
 job has committed its first step (the ranks say so in the store, :func:`.membership.publish_committed`), at the lowest
 CPU priority (:mod:`.priority`); a waiting spare blocks in the store and uses no CPU. The spares that replace the ones
 a recovery used start the same way, after the first step committed by the recovered job. A rank lost before then is
-taken by a process started cold (what ``--spares 0`` does).
+taken by a process started at the loss (what ``--spares 0`` does). Workers are forked from a warm process that
+imported torch, TorchRec and Lightning once (:mod:`.zygote`: why that is safe), so none of them imports those itself.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class Supervisor:
             return None
         if (ready := self._zygote.ready) is not None and not ready.get("said"):
             ready["said"] = True
-            emit("zygote_ready", pid=ready["pid"], import_s=ready["import_s"], preloaded=ready["preloaded"],
+            emit("zygote_ready", zygote_pid=ready["pid"], import_s=ready["import_s"], preloaded=ready["preloaded"],
                  failed=ready["failed"], message=f"workers are forked from a warm process (pid {ready['pid']}) that "
                  f"imported {', '.join(ready['preloaded'])} in {ready['import_s']:.1f} s"
                  + (f" (not imported: {ready['failed']})" if ready["failed"] else ""))
