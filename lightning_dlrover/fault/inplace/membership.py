@@ -161,7 +161,7 @@ def wait_for_assignment(store: Store, launch: int, index: int, *, wait_s: float 
     Raises ``ConnectionError`` once the store has failed (not timed out) for ``give_up_s`` seconds: the
     launcher that holds it is gone, and so is the job this spare was waiting for."""
     key = PREFIX + f"{launch}/assign/{index}"
-    _set(store, f"{launch}/waiting/{index}", "1")
+    store.add(PREFIX + f"{launch}/waiting/{index}", 1)
     store.add(PREFIX + f"{launch}/spares_waiting", 1)
     failing_since: float | None = None
     while True:  # blocked in the store's socket: a waiting spare uses no CPU (each timeout logs one line in C++)
