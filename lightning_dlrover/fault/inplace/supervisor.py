@@ -172,7 +172,7 @@ class Supervisor:
             process = subprocess.Popen([sys.executable, *self.args.program], env=env, start_new_session=True,
                                        preexec_fn=zygote.die_with_launcher(os.getpid()))
         worker = Worker(process, rank, spare, forked=isinstance(process, zygote.ForkedProcess))
-        if idle and self._priority_refused is None:
+        if idle and self._priority_refused is None and not worker.forked:  # (a forked one lowered itself)
             self._priority_refused = priority.lower(worker.process.pid)
         self.workers.append(worker)
         if rank is not None:

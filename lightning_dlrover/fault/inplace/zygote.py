@@ -279,33 +279,34 @@ def serve(sock: socket.socket, launcher: int) -> dict[str, Any]:
         middle = os.fork()
         if middle == 0:  # the middle process: forks the worker and exits, so the worker is re-parented to the launcher
             os.close(read)
-            worker = os.fork()
-            if worker == 0:
-                os.close(write)
+            if os.fork() == 0:
                 lines.close()
                 sock.close()
                 _settle(launcher, request)
+                os.write(write, str(os.getpid()).encode())  # settled: the launcher may now promote or signal it
+                os.close(write)
                 return request
-            os.write(write, str(worker).encode())
             os._exit(0)
         os.close(write)
         with os.fdopen(read, "rb") as pipe:
-            pid = pipe.read()
+            pid = pipe.read()  # (until the worker closes its end: it has settled, or died trying)
         os.waitpid(middle, 0)
-        _send(sock, {"pid": int(pid)} if pid else {"error": "the fork failed"})
+        _send(sock, {"pid": int(pid)} if pid else {"error": "the forked worker died before it settled"})
     sys.exit(0)
 
 
 def _settle(launcher: int, request: dict[str, Any]) -> None:
-    """In a forked worker: waits to be re-parented to the launcher, then takes a session of its own, dies with the
-    launcher and, for an idle spare, lowers its own priority before any of its program runs (as ``spawn`` does)."""
+    """In a forked worker: waits to be re-parented to the launcher, then dies with the launcher, takes a session of
+    its own and, for an idle spare, lowers its own priority (its new session's autogroup and ``SCHED_IDLE``), all
+    before its pid reaches the launcher: the launcher never lowers a forked worker itself (done before ``setsid`` it
+    would lower the zygote's session), and a promotion it sends comes after the lowering, not before."""
     deadline = time.monotonic() + 10.0
     while os.getppid() != launcher:
         if time.monotonic() > deadline or os.getppid() == 1:  # the launcher is gone (or is no subreaper)
             os._exit(1)
         time.sleep(0.001)
-    os.setsid()
     die_with_launcher(launcher)()
+    os.setsid()
     if request.get("idle"):
         from lightning_dlrover.fault.inplace import priority
 
