@@ -2,7 +2,9 @@
 sequence for each mode (drawn from the seed), against a fault-free run of the same mode.
 
 Modes: ``launch`` with parity k1 r1 and ``--spares`` hot spares (recovery in process); ``torchrun`` with parity
-(restart, decode from the survivors' spills); ``torchrun`` without parity (restart from the last checkpoint).
+(restart, decode from the survivors' spills); ``torchrun`` without parity (restart from the last checkpoint);
+optionally (``--modes in-process-exec``) ``launch --no-zygote``: every worker a fresh interpreter that imports torch,
+TorchRec and Lightning itself, as before the launcher forked its workers from a warm zygote.
 The job: ``cli/configs/chaos.yaml`` on 1 node x 2 ranks, ``--steps`` steps, a ``ModelCheckpoint`` every ``--every``
 steps, per-step digests on (the drills compare states and time their kills with them). Each kill lands a random
 0..``--jitter`` s after the job committed a step past the previous recovery (``chaos --kills``).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,6 +35,7 @@ from lightning_dlrover.cli.chaos import DEFAULT_CONFIG
 
 MODES = {
     "launch, parity k1 r1, hot spares (in process)": ["--in-process"],
+    "launch --no-zygote, parity k1 r1, hot spares (in process, every worker a fresh interpreter)": ["--in-process"],
     "torchrun, parity k1 r1 (restart, decode from spills)": [],
     "torchrun, no parity (restart from the last checkpoint)": ["--no-parity"],
 }
@@ -50,15 +54,18 @@ def job_config(steps: int, every: int, directory: Path) -> Path:
     return path
 
 
-def drill(mode: list[str], seed: int, args: argparse.Namespace, config: Path, workdir: Path) -> dict:
+def drill(mode: list[str], seed: int, args: argparse.Namespace, config: Path, workdir: Path,
+          exec_only: bool = False) -> dict:
     """One ``chaos --kills`` drill (its fault-free run is made once per mode and reused); its ``--json`` facts."""
     out = workdir / f"seed{seed}.json"
     command = [sys.executable, "-m", "lightning_dlrover", "chaos", "--config", str(config), "--nodes", "1",
                "--nproc-per-node", "2", "--spares", str(args.spares), "--kills", str(args.kills),
                "--kill-jitter", str(args.jitter), "--seed", str(seed), "--workdir", str(workdir), "--reuse-reference",
                "--timeout", str(args.timeout), "--json", str(out), *mode]
+    env = dict(os.environ, **({"LIGHTNING_DLROVER_NO_ZYGOTE": "1"} if exec_only else {}))
     with open(workdir / f"seed{seed}.log", "w") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=3 * args.timeout).returncode
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=3 * args.timeout,
+                              env=env).returncode
     if not out.is_file():
         sys.exit(f"the drill {' '.join(command)} wrote no report (exit {code}); see {workdir / f'seed{seed}.log'}")
     return json.loads(out.read_text())
@@ -80,10 +87,11 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=900, help="seconds each run may take")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--modes", default="in-process,torchrun,no-parity",
-                   help="which modes to drill, of in-process, torchrun, no-parity (comma-separated)")
+                   help="which modes to drill, of in-process, in-process-exec (launch --no-zygote), torchrun, "
+                        "no-parity (comma-separated)")
     p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed..first-seed+seeds-1")
     args = p.parse_args()
-    keys = dict(zip(["in-process", "torchrun", "no-parity"], MODES))
+    keys = dict(zip(["in-process", "in-process-exec", "torchrun", "no-parity"], MODES))
     if unknown := set(args.modes.split(",")) - set(keys):
         p.error(f"--modes: unknown {sorted(unknown)}; choose from {list(keys)}")
     chosen = {keys[k]: MODES[keys[k]] for k in keys if k in args.modes.split(",")}
@@ -92,19 +100,25 @@ def main() -> None:
     config = job_config(args.steps, args.every, root)
     results: dict[str, list[dict]] = {}
     for name, mode in chosen.items():
-        workdir = root / (mode[0].strip("-") if mode else "torchrun")
+        exec_only = name == list(MODES)[1]
+        workdir = root / ("in-process-exec" if exec_only else mode[0].strip("-") if mode else "torchrun")
         workdir.mkdir(exist_ok=True)
         results[name] = []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
-            facts = drill(mode, seed, args, config, workdir)
+            load = os.getloadavg()[0]
+            facts = drill(mode, seed, args, config, workdir, exec_only)
+            facts["load"] = (load, os.getloadavg()[0])  # 1-minute load average at the drill's start and end
             results[name].append(facts)
-            print(f"{name}, seed {seed}: wall {facts['wall_s']}, goodput {facts['goodput']}, kills landed "
-                  f"{facts['kills_landed']}, recoveries {facts['recoveries']}, steps lost {facts['steps_lost']}, "
-                  f"digest match {facts['digest_match']}", flush=True)
+            print(f"{name}, seed {seed}: wall {facts['wall_s']}, fault-free wall {facts['fault_free_wall_s']}, goodput "
+                  f"{facts['goodput']}, kills landed {facts['kills_landed']}, recoveries {facts['recoveries']}, steps "
+                  f"lost {facts['steps_lost']}, digest match {facts['digest_match']}, load {load:.1f} -> "
+                  f"{facts['load'][1]:.1f}", flush=True)
     (root / "results.json").write_text(json.dumps(results, indent=1))
-    torchrun = results[list(MODES)[1]][0]["fault_free_wall_s"] if list(MODES)[1] in results else None
+    torchrun = results[list(MODES)[2]][0]["fault_free_wall_s"] if list(MODES)[2] in results else None
     print(f"\n{args.steps} steps, a checkpoint every {args.every}, {args.kills} kills at U(0, {args.jitter}) s after a "
           f"commit, seeds {args.first_seed}..{args.first_seed + args.seeds - 1}; results in {root}\n")
+    loads = [x for runs in results.values() for r in runs for x in r["load"]]
+    print(f"1-minute load average over the drills: {min(loads):.1f}-{max(loads):.1f}\n")
     print("| mode | fault-free wall | wall with kills | goodput vs own fault-free | goodput vs torchrun fault-free | "
           "recoveries | steps lost | kills landed | digest |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -122,6 +136,9 @@ def main() -> None:
               f"{', '.join(f'{k} {v}' for k, v in kinds.items() if v) or 'none'} | "
               f"{span(lost, 'd') if lost else 'unknown'} | {sum(r['kills_landed'] for r in runs)}/{args.kills * len(runs)} | "
               f"{'equal' if all(r['digest_match'] for r in runs) else 'DIFFERS'} |")
+    launch = results.get(list(MODES)[0])
+    if launch and torchrun:
+        print(f"\nlaunch's fault-free wall / torchrun's: {launch[0]['fault_free_wall_s'] / torchrun:.3f}")
 
 
 if __name__ == "__main__":

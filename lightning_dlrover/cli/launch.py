@@ -29,6 +29,9 @@ from pathlib import Path
 from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.fault.inplace.supervisor import Supervisor, SupervisorConfig, serve_store
 
+#: ``1``: ``--no-zygote`` (for launches started by another command, e.g. ``chaos --in-process``).
+NO_ZYGOTE_ENV = "LIGHTNING_DLROVER_NO_ZYGOTE"
+
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lightning-dlrover launch", description=__doc__.split("\n\n")[0],
@@ -52,6 +55,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "below LIGHTNING_DLROVER_PLAN_TIMEOUT, 10 s, which the survivors wait for a plan)")
     p.add_argument("--settle", type=float, default=0.1,
                    help="seconds to wait after a first failure for others that come with it, so they share one recovery")
+    p.add_argument("--no-zygote", dest="zygote", action="store_false", default=os.environ.get(NO_ZYGOTE_ENV) != "1",
+                   help="start every worker as a fresh interpreter instead of forking it from a warm process that "
+                        f"imported torch, TorchRec and Lightning once (spares are ready later); also ${NO_ZYGOTE_ENV}=1")
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py [args] (or -m module [args])")
     args = p.parse_args(argv)
     if args.program[:1] == ["--"]:

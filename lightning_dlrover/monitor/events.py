@@ -57,10 +57,16 @@ KINDS: dict[str, tuple[str, ...]] = {
                                     "why", "source"),
     "digest": ("digest", "final"),
     # In-process recovery (lightning-dlrover launch): the launcher's plan, each rank's recovery, the fallbacks
-    "replacement_planned": ("generation", "lost_ranks", "replacements", "cold"),
+    # cold: the lost ranks no spare was left for (a process started at the loss); readiness: {rank: how far its
+    # replacement had got}: "waiting" (a spare set up, waiting for a rank: hot), "forked" (forked from the launcher's
+    # warm zygote: libraries imported, its program still setting up), "importing" (a fresh interpreter, still starting)
+    "replacement_planned": ("generation", "lost_ranks", "replacements", "cold", "readiness"),
     # a launcher started hot spares (spare indices, their pids) after generation's first committed step (step), at
-    # "idle" (SCHED_IDLE) or "normal" CPU priority (the message says why once)
-    "spares_started": ("spares", "pids", "generation", "priority"),
+    # "idle" (SCHED_IDLE) or "normal" CPU priority (the message says why once); forked: from the warm zygote
+    "spares_started": ("spares", "pids", "generation", "priority", "forked"),
+    # the launcher's zygote (fault/inplace/zygote.py) imported `preloaded` (`failed`: {module: error}) in import_s
+    "zygote_ready": ("zygote_pid", "import_s", "preloaded", "failed"),
+    "zygote_lost": ("why",),  # the zygote cannot fork any more: later workers start as fresh interpreters
     "spare_ready": ("spare",),  # a hot spare finished starting (imports) and waits for a rank to take
     "recovered_in_process": ("survivor", "lost_ranks", "decode_s", "reshard_s", "lost_at", "failed_at",
                              "connected_at", "restored_at"),  # every rank; times are Unix seconds

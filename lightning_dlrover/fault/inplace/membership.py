@@ -3,7 +3,8 @@ launcher's store so that no worker's death takes them with it.
 
 Keys (all under ``lightning_dlrover/<launch>/``, ``<launch>`` counting the launcher's full restarts):
 
-- ``spares``: count of spares that ever registered (their indices); ``spare/<i>``: the host of spare ``i``.
+- ``spares``: count of spares that ever registered (their indices); ``spare/<i>``: the host of spare ``i``;
+  ``waiting/<i>``: spare ``i`` waits for a rank (set up: hot).
   A launcher hands lost ranks to its own machine's spares.
 - ``assign/<i>``: the :class:`Assignment` of spare ``i`` (JSON), written when it takes a lost rank;
   ``ready/<g>/<rank>``: the replacement is connecting generation ``g``; ``rank/<r>``: ``host:pid`` holding ``r``.
@@ -160,6 +161,7 @@ def wait_for_assignment(store: Store, launch: int, index: int, *, wait_s: float 
     Raises ``ConnectionError`` once the store has failed (not timed out) for ``give_up_s`` seconds: the
     launcher that holds it is gone, and so is the job this spare was waiting for."""
     key = PREFIX + f"{launch}/assign/{index}"
+    store.add(PREFIX + f"{launch}/waiting/{index}", 1)
     store.add(PREFIX + f"{launch}/spares_waiting", 1)
     failing_since: float | None = None
     while True:  # blocked in the store's socket: a waiting spare uses no CPU (each timeout logs one line in C++)
@@ -184,6 +186,11 @@ def wait_for_assignment(store: Store, launch: int, index: int, *, wait_s: float 
 def spares_waiting(store: Store, launch: int) -> int:
     """How many spares of launch ``launch`` ever reached their wait for a rank (imported, set up: hot)."""
     return int(store.add(PREFIX + f"{launch}/spares_waiting", 0))
+
+
+def is_waiting(store: Store, launch: int, index: int) -> bool:
+    """Whether spare ``index`` of launch ``launch`` reached its wait for a rank (its program set up: hot)."""
+    return store.check([PREFIX + f"{launch}/waiting/{index}"])
 
 
 def publish_committed(store: Store, launch: int, generation: int, step: int) -> None:

@@ -78,7 +78,10 @@ def group_nice(pid: int | str = "self") -> int | None:
 
 def set_group_nice(pid: int | str, nice: int, tries: int = 30) -> bool:
     """Sets the nice value of process ``pid``'s autogroup (its session's CPU weight); whether it did. The kernel
-    accepts one change every 0.1 s from a process without ``CAP_SYS_ADMIN`` (``EAGAIN``): retried ``tries`` times."""
+    accepts one change every 0.1 s from a process without ``CAP_SYS_ADMIN`` (``EAGAIN``): retried ``tries`` times;
+    none is made when the group already has ``nice`` (a spare forked from the zygote lowers its own group first)."""
+    if group_nice(pid) == nice:
+        return True
     for _ in range(tries):
         try:
             with open(f"/proc/{pid}/autogroup", "w") as f:

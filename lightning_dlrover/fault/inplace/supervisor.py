@@ -25,27 +25,25 @@ Being ready costs the job nothing measurable: the ranks start alone, and a launc
 job has committed its first step (the ranks say so in the store, :func:`.membership.publish_committed`), at the lowest
 CPU priority (:mod:`.priority`); a waiting spare blocks in the store and uses no CPU. The spares that replace the ones
 a recovery used start the same way, after the first step committed by the recovered job. A rank lost before then is
-taken by a process started cold (what ``--spares 0`` does).
+taken by a process started at the loss (what ``--spares 0`` does). Workers are forked from a warm process that
+imported torch, TorchRec and Lightning once (:mod:`.zygote`: why that is safe), so none of them imports those itself.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from torch.distributed import TCPStore
 
 from lightning_dlrover import worker_env
-from lightning_dlrover.fault.inplace import membership, priority
+from lightning_dlrover.fault.inplace import membership, priority, zygote
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor.events import emit
 
@@ -68,15 +66,17 @@ class SupervisorConfig:
     monitor_interval: float = 0.05  # seconds between checks of the workers
     node_timeout: float = 3.0  # seconds of silence after which machine 0 declares another machine lost
     settle: float = 0.1  # seconds to wait after a first failure for others that come with it
+    zygote: bool = True  # fork workers from a warm process that imported the libraries once (:mod:`.zygote`)
 
 
 @dataclass
 class Worker:
     """A worker process and the rank it holds (``None`` for an unassigned spare)."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | zygote.ForkedProcess
     rank: int | None
     spare: int | None = None
+    forked: bool = False  # forked from the zygote (the libraries imported) rather than started as a fresh interpreter
 
 
 @dataclass
@@ -97,26 +97,69 @@ class Supervisor:
     _gate: int = 0
     _priority_refused: str | None = None  # why spares run at normal priority (said once)
     _priority_said: bool = False
+    _zygote: zygote.Zygote | None = None
+    _zygote_state: str = "unstarted"  # unstarted | up | lost | off
+    _reaped_at: float = 0.0
 
     @property
     def world_size(self) -> int:
         return self.args.nnodes * self.args.nproc_per_node
 
-    def env(self, rank: int | None, local_rank: int, spare: int | None) -> dict[str, str]:
+    def job_env(self) -> dict[str, str]:
+        """What every worker of this machine is told alike (the zygote imports with it)."""
         a = self.args
         host, _, port = a.master.rpartition(":")
         env = dict(os.environ)
         env.update(
-            RANK=str(rank if rank is not None else self.world_size - 1), LOCAL_RANK=str(local_rank if rank is not None else 0),
             WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(a.nproc_per_node), GROUP_RANK=str(a.node_rank),
             MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True",
-            **{worker_env.RUN_ID: self.run_id, worker_env.RESTART_COUNT: str(self.restarts), membership.STORE_ENV: a.master},
+            **{worker_env.RUN_ID: self.run_id, membership.STORE_ENV: a.master},
         )  # fmt: skip
+        if "OMP_NUM_THREADS" not in os.environ and a.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
+            env["OMP_NUM_THREADS"] = "1"  # (read when OpenMP and OpenBLAS load: the zygote must import with it)
+        return env
+
+    def env(self, rank: int | None, local_rank: int, spare: int | None) -> dict[str, str]:
+        env = self.job_env()
+        env.update(RANK=str(rank if rank is not None else self.world_size - 1),
+                   LOCAL_RANK=str(local_rank if rank is not None else 0),
+                   **{worker_env.RESTART_COUNT: str(self.restarts)})
         if spare is not None:
             env[membership.SPARE_ENV] = str(spare)
-        if "OMP_NUM_THREADS" not in os.environ and a.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
-            env["OMP_NUM_THREADS"] = "1"
         return env
+
+    def fork(self, env: dict[str, str], idle: bool) -> zygote.ForkedProcess | None:
+        """A worker forked from the zygote (started at the first call); ``None`` where the zygote is off, lost, or
+        cannot run the program: the caller then starts a fresh interpreter."""
+        if not self.args.zygote or self._zygote_state in ("lost", "off") or not zygote.forkable(self.args.program):
+            return None
+        try:
+            if self._zygote is None:
+                self._zygote = zygote.Zygote.start(self.job_env())
+                self._zygote_state = "up"
+            timeout = float(os.environ.get(membership.START_TIMEOUT_ENV, "600"))
+            forked = self._zygote.fork(self.args.program, env, idle, ready_timeout=timeout)
+        except zygote.ZygoteError as err:
+            self.lose_zygote(str(err))
+            return None
+        if (ready := self._zygote.ready) is not None and not ready.get("said"):
+            ready["said"] = True
+            emit("zygote_ready", zygote_pid=ready["pid"], import_s=ready["import_s"], preloaded=ready["preloaded"],
+                 failed=ready["failed"], message=f"workers are forked from a warm process (pid {ready['pid']}) that "
+                 f"imported {', '.join(ready['preloaded'])} in {ready['import_s']:.1f} s"
+                 + (f" (not imported: {ready['failed']})" if ready["failed"] else ""))
+        return forked
+
+    def lose_zygote(self, why: str) -> None:
+        """The zygote cannot fork any more: every later worker is started as a fresh interpreter (said once)."""
+        if self._zygote_state == "lost":
+            return
+        self._zygote_state = "lost"
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+        emit("zygote_lost", why=why, message=f"the warm process workers are forked from failed: {why}; starting each "
+             "later worker as a fresh interpreter (it imports torch, TorchRec and Lightning itself: slower to be ready)")
 
     def spawn(self, rank: int | None, local_rank: int, idle: bool = False) -> Worker:
         """Starts the rank ``rank``, or a spare when ``rank`` is ``None`` (``idle``: at the lowest CPU priority)."""
@@ -124,10 +167,12 @@ class Supervisor:
         env = self.env(rank, local_rank, spare)
         # each worker in a session of its own, as torchrun starts them: the kernel's autogroup scheduler gives every
         # session an equal CPU share, so workers left in the launcher's session would share one share among them all
-        process = subprocess.Popen([sys.executable, *self.args.program], env=env, start_new_session=True,
-                                   preexec_fn=_die_with_launcher(os.getpid()))
-        worker = Worker(process, rank, spare)
-        if idle and self._priority_refused is None:
+        process = self.fork(env, idle)
+        if process is None:
+            process = subprocess.Popen([sys.executable, *self.args.program], env=env, start_new_session=True,
+                                       preexec_fn=zygote.die_with_launcher(os.getpid()))
+        worker = Worker(process, rank, spare, forked=isinstance(process, zygote.ForkedProcess))
+        if idle and self._priority_refused is None and not worker.forked:  # (a forked one lowered itself)
             self._priority_refused = priority.lower(worker.process.pid)
         self.workers.append(worker)
         if rank is not None:
@@ -155,7 +200,7 @@ class Supervisor:
         self._owed = 0
         how = "normal" if self._priority_refused else "idle"
         emit("spares_started", step=step, spares=[w.spare for w in spares], pids=[w.process.pid for w in spares],
-             generation=self._gate, priority=how,
+             generation=self._gate, priority=how, forked=all(w.forked for w in spares),
              message=f"{len(spares)} hot spare(s) started after step {step} committed, at {how} CPU priority"
              + (f" ({self._priority_refused})" if self._priority_refused and not self._priority_said else ""))
         self._priority_said = self._priority_said or bool(self._priority_refused)
@@ -164,9 +209,10 @@ class Supervisor:
         ranks = [w.rank for w in self.workers if w.rank is not None]
         membership.publish_node_ranks(self.store, self.restarts, self.args.node_rank, ranks)
 
-    def stop(self, grace: float = 0.0) -> None:
+    def stop(self, grace: float = 0.0, keep_zygote: bool = False) -> None:
         """Stops every worker: SIGTERM first when ``grace`` > 0 (as ``torchrun`` does: a survivor spills its committed
-        state for the restart), SIGKILL for whatever is left after ``grace`` seconds."""
+        state for the restart), SIGKILL for whatever is left after ``grace`` seconds; and the zygote, unless
+        ``keep_zygote`` (a full restart forks the new workers from it)."""
         if grace > 0:
             for worker in self.workers:
                 if worker.process.poll() is not None:
@@ -185,6 +231,9 @@ class Supervisor:
         for worker in self.workers:
             worker.process.wait()
         self.workers = []
+        if not keep_zygote and self._zygote is not None:
+            self._zygote.close()
+            self._zygote, self._zygote_state = None, "off"
 
     def device_slots(self, lost: list[int]) -> dict[int, int | None]:
         """The device slot (``LOCAL_RANK``) each of the ``lost`` ranks' replacements takes on this machine: the lost
@@ -215,14 +264,17 @@ class Supervisor:
         idle = [w for w in self.workers if w.rank is None and w.process.poll() is None]
         replacements: dict[int, int] = {}
         cold: list[int] = []
+        readiness: dict[str, str] = {}  # how far each replacement had got: waiting | forked | importing
         for rank in sorted(lost):
             if idle:
                 spare = idle.pop(0)
                 if self._priority_refused is None:  # it may still be starting: at its idle priority, maybe for minutes
                     priority.restore(spare.process.pid)
-            else:  # no hot spare left: a new process takes the rank (it imports everything first)
+            else:  # no hot spare left: a new process takes the rank (forked warm, or importing everything first)
                 cold.append(rank)
                 spare = self.spawn(None, 0)
+            waiting = spare.spare is not None and membership.is_waiting(self.store, self.restarts, spare.spare)
+            readiness[str(rank)] = "waiting" if waiting else "forked" if spare.forked else "importing"
             spare.rank = rank
             replacements[rank] = spare.spare
             membership.publish_worker(self.store, self.restarts, rank, socket.gethostname(), spare.process.pid)
@@ -232,7 +284,7 @@ class Supervisor:
         # the pool of hot spares is refilled after the recovered job's first committed step (start_spares)
         self._owed, self._gate = self._owed + len(replacements) - len(cold), plan.generation
         emit("replacement_planned", generation=plan.generation, lost_ranks=plan.lost,
-             replacements={str(k): v for k, v in plan.replacements.items()}, cold=cold,
+             replacements={str(k): v for k, v in plan.replacements.items()}, cold=cold, readiness=readiness,
              message=f"generation {plan.generation}: ranks {plan.lost} replaced by spares {plan.replacements}"
              + (f" (started cold for ranks {cold})" if cold else ""))
         return plan.generation
@@ -268,6 +320,17 @@ class Supervisor:
                 lost += ranks
         return lost
 
+    def watch_zygote(self) -> None:
+        """Notices a zygote that died (said once: later workers start as fresh interpreters) and, about once a second,
+        reaps the exited orphans of workers re-parented to this launcher (the zygote's subreaper)."""
+        if self._zygote is None:
+            return
+        if (code := self._zygote.process.poll()) is not None:
+            self.lose_zygote(f"it exited with code {code}")
+        elif time.monotonic() - self._reaped_at > 1.0:
+            self._reaped_at = time.monotonic()
+            zygote.reap_orphans({w.process.pid for w in self.workers} | {self._zygote.process.pid})
+
     def failed_ranks(self) -> list[int]:
         """The ranks of this machine's workers that exited with an error."""
         return [w.rank for w in self.workers if w.rank is not None and w.process.poll() not in (None, 0)]
@@ -286,6 +349,7 @@ class Supervisor:
             time.sleep(self.args.monitor_interval)
             for spare in [w for w in self.workers if w.rank is None and w.process.poll() is not None]:
                 self.workers.remove(spare)  # a dead spare only shrinks the pool
+            self.watch_zygote()
             self.start_spares()
             if recovering is not None and membership.restored_ranks(self.store, self.restarts, recovering) >= self.world_size:
                 recovering = None
@@ -314,7 +378,7 @@ class Supervisor:
                      + ("with no survivor" if not survivors else "during in-process recovery" if recent
                         else "and their GPUs are taken here" if shared else "")
                      + ": restarting every worker")
-                self.stop(grace=self.args.stop_grace)
+                self.stop(grace=self.args.stop_grace, keep_zygote=True)
                 self.restarts += 1
                 self.start()
                 recovering = None
@@ -326,26 +390,6 @@ class Supervisor:
                 self._finished = True
                 if self.args.node_rank != 0 or self.others_finished():  # machine 0 keeps the store up till the end
                     return 0
-
-
-def _die_with_launcher(launcher: int) -> Callable[[], None]:
-    """What a worker runs between ``fork`` and ``exec``: it is SIGKILLed when the launcher ``launcher`` dies (its own
-    session no longer takes it along when the launcher's process group is killed; its store dies with the launcher)."""
-
-    def set_parent_death_signal() -> None:
-        if _PRCTL is not None:
-            _PRCTL(_PR_SET_PDEATHSIG, _SIGKILL)
-        if os.getppid() != launcher:  # the launcher died before the line above
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return set_parent_death_signal
-
-
-_PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal this process gets when its parent dies (Linux)
-_SIGKILL = int(signal.SIGKILL)
-# Looked up here, in the launcher: the child between fork and exec then runs no symbol lookup (the dynamic loader's
-# lock may be held by another thread of the launcher at fork), only the call.
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 def serve_store(address: str) -> tuple[TCPStore, socket.socket]:
