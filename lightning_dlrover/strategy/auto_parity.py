@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dlrover import control_plane, lightning_glue, torchrec_glue, worker_env
-from lightning_dlrover.fault import FaultManager, ParityConfig, ParityPlacement
+from lightning_dlrover.fault import FaultManager, ParityConfig
 from lightning_dlrover.monitor import emit
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.planner.inputs import HISTORY_ENV, Pick, PlanInputs, mtbf_from_env, plan_inputs
@@ -78,10 +78,7 @@ def state_bytes(module: nn.Module) -> int:
 
 def check(parity: Any, world_size: int, module: nn.Module | None = None) -> None:
     """Refuses ``parity="auto"`` where no plan can be made: a world size parity cannot cover, no embedding tables,
-    a bad ``$LIGHTNING_DLROVER_MTBF_HOURS``; and a fixed ``ParityConfig`` whose ``k + r`` exceeds the world size."""
-    if isinstance(parity, ParityConfig):
-        ParityPlacement(world_size, parity.k, parity.r)  # raises, naming k + r and the world size
-        return
+    a bad ``$LIGHTNING_DLROVER_MTBF_HOURS``."""
     if parity != "auto":
         return
     if world_size < 2:

@@ -44,12 +44,16 @@ def validate_addons(callbacks: Iterable[object], world_size: int) -> None:
 
 
 def validate_trainer_addons(trainer: pl.Trainer) -> None:
-    """:func:`validate_addons` of the trainer's callbacks at its world size, and ``parity="auto"`` at that size
-    (:class:`StrategyConfigError`)."""
+    """:func:`validate_addons` of the trainer's callbacks at its world size, and the strategy's parity (``"auto"``, or
+    a ``ParityConfig`` whose ``k + r`` ranks the world size must hold) at that size (:class:`StrategyConfigError`)."""
+    from lightning_dlrover.fault import ParityConfig, ParityPlacement
     from lightning_dlrover.strategy.auto_parity import check
 
+    parity = getattr(trainer.strategy, "parity", None)
     try:
-        check(getattr(trainer.strategy, "parity", None), trainer.world_size)
+        check(parity, trainer.world_size)
+        if isinstance(parity, ParityConfig):
+            ParityPlacement(trainer.world_size, parity.k, parity.r)  # raises, naming k + r and the world size
     except ValueError as err:
         raise StrategyConfigError(str(err)) from None
     validate_addons(trainer.callbacks, trainer.world_size)
