@@ -22,10 +22,8 @@ $(STAMP): pyproject.toml setup.py lightning_dlrover/parity/_gf256.c
 demo: $(STAMP)
 	$(VENV)/bin/lightning-dlrover fit --config configs/demo.yaml
 
-# Two test files at a time (pytest-xdist; a file's module fixtures stay in one worker): a job's ranks start one
-# after another and wait on each other, which leaves a core idle that the other file's job uses.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
