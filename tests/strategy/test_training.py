@@ -41,7 +41,7 @@ def test_digest_is_reproducible_and_seed_dependent(tmp_path, table_wise_run):
     """Two runs with seed 3 print the same digests; the same job with seed 7 (the table-wise run above, also 2
     ranks, table-wise, batch 96) has another state at step 10."""
     first, second = (digests(job.stdout) for job in train_together(tmp_path, ["--steps", "10", "--seed", "3"],
-                                                                     ["--steps", "10", "--seed", "3"]))
+                                                                     ["--steps", "10", "--seed", "3"], fork=True))
     other = digests(table_wise_run)
     assert first == second
     assert other["10"] != first["end"]
