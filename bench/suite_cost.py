@@ -72,6 +72,8 @@ def measure(test_file: str, log_dir: Path, pytest_args: list[str]) -> dict:
     ended = {line["pid"] for line in ends if line["kind"] == "end"}
     summary = output.strip().splitlines()[-1] if output.strip() else ""
     heavy = [line for line in ends if line["kind"] == "end" and line["torch"] and line["lightning"]]
+    # a launcher's zygote imports them too, and is killed (no end line) once it has forked the ranks
+    heavy += [line for pid, line in starts.items() if pid not in ended and "zygote import main" in line["argv"]]
     cpu = {line["pid"]: line["cpu"] for line in ends}
     for pid, seen in sampled.items():  # a process killed by a signal (or never ending in the hook) at its last sample
         cpu[pid] = max(cpu.get(pid, 0.0), seen)

@@ -1,5 +1,5 @@
-"""Start-up hook for ``bench/suite_cost.py``: with ``$SUITE_COST_LOG`` set, every Python interpreter that starts with this
-folder on its path appends one JSON line when it starts and one when it ends (``atexit`` or ``os._exit``; a forked
+"""Start-up hook for ``bench/suite_cost.py``: with ``$SUITE_COST_LOG`` set, every Python interpreter that starts with
+this folder on its path appends one JSON line when it starts and one when it ends (``atexit`` or ``os._exit``; a forked
 child writes only the end line): its pid, parent, the test that was running (``$PYTEST_CURRENT_TEST``, which pytest
 sets and child processes inherit), its own CPU seconds (``os.times``; a forked child's count from its fork) and whether
 torch / TorchRec / Lightning were imported. A process killed by a signal writes no end line. Without
@@ -20,7 +20,7 @@ def _write(kind: str) -> None:
     line = {
         "kind": kind, "pid": os.getpid(), "ppid": os.getppid(), "t": time.time(),
         "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
-        "argv": " ".join(sys.argv[:3])[:200], "cpu": round(cpu.user + cpu.system, 3),
+        "argv": " ".join(getattr(sys, "orig_argv", sys.argv)[1:4])[:200], "cpu": round(cpu.user + cpu.system, 3),
         "torch": "torch" in mods, "torchrec": "torchrec" in mods, "lightning": "lightning.pytorch" in mods,
     }
     fd = os.open(_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
