@@ -9,13 +9,17 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = REPO / "tests" / "scripts" / "train.py"
+FORKED_RANKS = REPO / "tests" / "scripts" / "forked_ranks.py"
+T = TypeVar("T")
 DIGEST = re.compile(r"^state digest(?: at step (\d+))?: ([0-9a-f]{64})$", re.MULTILINE)
 
 # Every job of the suite runs with the control plane (lightning_dlrover.control_plane) in a gloo group of its own,
@@ -67,15 +71,41 @@ def run(
     return subprocess.CompletedProcess(command, proc.returncode, out)
 
 
-def train(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Runs ``tests/scripts/train.py`` (a multi-process DLRoverStrategy job)."""
-    return run([str(TRAIN_SCRIPT), *args], cwd, check=check)
+def forked(script: str | Path, *args: object) -> list[str]:
+    """``run``'s arguments for ``script *args`` with its ranks forked from one process that imported the libraries
+    once (``tests/scripts/forked_ranks.py``): the ranks start together and the imports are paid once, not once per
+    rank one after another as under the strategy's default ``popen`` launcher. The ranks run the externally-launched
+    path (``torchrun``'s); ``--devices N`` in ``args`` (default 2) gives their number. For tests whose promise is not
+    the launch itself; a test of the default launch path (its up-front checks included) runs the script plainly."""
+    words = [str(a) for a in args]
+    nproc = int(words[words.index("--devices") + 1]) if "--devices" in words else 2
+    return [str(FORKED_RANKS), "--nproc", str(nproc), str(script), *words]
 
 
-def train_together(cwd: Path, *jobs: list[str]) -> list[subprocess.CompletedProcess]:
+def train(cwd: Path, *args: str, check: bool = True, fork: bool = False) -> subprocess.CompletedProcess:
+    """Runs ``tests/scripts/train.py`` (a multi-process DLRoverStrategy job); ``fork``: its ranks as :func:`forked`
+    runs them."""
+    return run(forked(TRAIN_SCRIPT, *args) if fork else [str(TRAIN_SCRIPT), *args], cwd, check=check)
+
+
+def train_forked(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """:func:`train` with ``fork=True``: the ranks forked from one process that imported the libraries once."""
+    return train(cwd, *args, check=check, fork=True)
+
+
+def together(*jobs: Callable[[], T]) -> list[T]:
+    """Calls ``jobs`` (independent jobs of one test, e.g. ``lambda: run(...)``) at the same time; returns their results
+    in the order given (the first exception raised, once all have ended). A job's processes start one after another
+    at first (imports), which leaves a core idle that another job's start-up uses."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(job) for job in jobs]
+    return [future.result() for future in futures]
+
+
+def train_together(cwd: Path, *jobs: list[str], fork: bool = False) -> list[subprocess.CompletedProcess]:
     """Runs independent ``tests/scripts/train.py`` jobs at the same time, each as :func:`train` runs one (checked,
     its processes killed when it returns) in a directory of its own, ``cwd/job<i>``; returns their results in the
-    order given.
+    order given; ``fork`` as for :func:`train`.
 
     A job's ranks import torch one after another at first (the launcher's rank 0, then the others), which leaves a
     core idle that the other job's start-up uses."""
@@ -83,7 +113,7 @@ def train_together(cwd: Path, *jobs: list[str]) -> list[subprocess.CompletedProc
     for path in dirs:
         path.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(train, path, *args) for path, args in zip(dirs, jobs)]
+        futures = [pool.submit(train, path, *args, fork=fork) for path, args in zip(dirs, jobs)]
     return [future.result() for future in futures]
 
 

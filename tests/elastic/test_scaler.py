@@ -10,7 +10,7 @@ import pytest
 
 from lightning_dlrover import ElasticBatchScaler
 from lightning_dlrover.advisor.control import BatchSizeControl, find_control
-from tests.conftest import REPO, run
+from tests.conftest import REPO, forked, run
 
 SCRIPT = REPO / "tests" / "elastic" / "elastic_job.py"
 
@@ -27,7 +27,7 @@ def test_bad_arguments_rejected():
 
 
 def _job(tmp_path, *args):
-    proc = run([SCRIPT, "--log", tmp_path / "samples", *args], tmp_path, timeout=400)
+    proc = run(forked(SCRIPT, "--log", tmp_path / "samples", *args), tmp_path, timeout=400)
     line = next(l for l in proc.stdout.splitlines() if l.startswith("scaler: "))
     return json.loads(line[len("scaler: "):])
 

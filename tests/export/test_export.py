@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run
+from tests.conftest import REPO, forked, run
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def plain_python(code: str, *args: Path, cwd: Path) -> str:
 def job(tmp: Path, *args: str) -> Path:
     """Runs tests/scripts/export_job.py; returns its predictions directory."""
     preds = tmp / "preds"
-    run([str(JOB), "--preds", str(preds), *args], tmp, timeout=240)
+    run(forked(JOB, "--preds", preds, *args), tmp, timeout=240)
     return preds
 
 

@@ -3,7 +3,7 @@ decoded byte-for-byte, and training then ends exactly where a run without parity
 
 import pytest
 
-from tests.conftest import digests, train, train_together
+from tests.conftest import digests, train, train_forked, train_together
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +17,7 @@ def test_every_loss_pattern_decodes_exactly(tmp_path, devices, parity, drill, ba
     drilled = [*common, "--parity", parity, "--drill-at", "5", "--drill", drill]
     # one world size is enough to show that parity and recovery do not change training: there, the job without
     # parity (the reference) runs beside the drilled one
-    jobs = train_together(tmp_path, drilled, common) if compare else [train(tmp_path, *drilled)]
+    jobs = train_together(tmp_path, drilled, common, fork=True) if compare else [train_forked(tmp_path, *drilled)]
     out = jobs[0].stdout
     k, r = map(int, parity.split(","))
     assert f"DLRoverStrategy parity k={k} r={r}" in out
@@ -42,7 +42,7 @@ def test_loss_mid_step_recovers_the_committed_step(tmp_path):
     steps apart). Commits overlap the next batch's fetch (the default): the commit of step 8 is decided at step
     9's start."""
     phases = ["before_forward", "after_optimizer", "during_parity_commit"]
-    out = train(tmp_path, "--devices", "3", "--steps", "10", "--parity", "2,1", "--drill", "1 0",
+    out = train_forked(tmp_path, "--devices", "3", "--steps", "10", "--parity", "2,1", "--drill", "1 0",
                 "--drill-at", "4", "--drill-phase", phases[0],
                 "--drill-more", f"6,6,{phases[1]}", "--drill-more", f"8,8,{phases[2]}").stdout
     for phase in phases:
@@ -57,7 +57,7 @@ def test_coalesced_commits_recover_the_last_commit(tmp_path):
     committed at the window's start (step 4, step 8); the start-up message states the recovery point. One run,
     with the whole commit at the end of its step (``overlap=False``; tests/fault/test_user_models.py drills
     coalesced commits with overlap)."""
-    out = train(tmp_path, "--devices", "3", "--steps", "13", "--parity", "2,1,4,0", "--drill", "2",
+    out = train_forked(tmp_path, "--devices", "3", "--steps", "13", "--parity", "2,1,4,0", "--drill", "2",
                 "--drill-at", "4", "--drill-loss-at", "6", "--drill-phase", "after_optimizer",
                 "--drill-more", "8,11,during_parity_commit").stdout
     assert "the recovery point is committed every 4 steps (a failure trains at most 3 steps again)" in out

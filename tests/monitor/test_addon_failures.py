@@ -11,7 +11,7 @@ import pytest
 
 from lightning_dlrover import ElasticBatchScaler, ResourceAdvisor
 from lightning_dlrover.monitor import read_events
-from tests.conftest import REPO, run
+from tests.conftest import REPO, forked, run
 
 SCALER_JOB = REPO / "tests" / "elastic" / "elastic_job.py"
 ADVISOR_JOB = REPO / "tests" / "scripts" / "advisor_job.py"
@@ -25,8 +25,8 @@ def failures(root, addon):
 @pytest.mark.slow
 def test_scaler_that_fails_mid_change_puts_batch_and_lrs_back_and_the_fit_goes_on(tmp_path):
     # The batch 64 is outside [128, 256]: the scaler switches at train start; the LRs are scaled, then it fails.
-    proc = run([SCALER_JOB, "--log", tmp_path / "samples", "--devices", "2", "--steps", "4", "--batch", "64",
-                "--range", "128", "256", "--inject", "lightning_dlrover.elastic.scaler:scale_learning_rates!"],
+    proc = run(forked(SCALER_JOB, "--log", tmp_path / "samples", "--devices", "2", "--steps", "4", "--batch", "64",
+                "--range", "128", "256", "--inject", "lightning_dlrover.elastic.scaler:scale_learning_rates!"),
                tmp_path, timeout=400)
     assert "`Trainer.fit` stopped: `max_steps=4` reached." in proc.stdout
     [events] = [failures(tmp_path, "ElasticBatchScaler")]
@@ -43,10 +43,10 @@ def test_scaler_that_fails_mid_change_puts_batch_and_lrs_back_and_the_fit_goes_o
 @pytest.mark.slow
 def test_advisor_whose_history_and_report_fail_goes_on_in_memory(tmp_path):
     root = tmp_path / "run"
-    proc = run([ADVISOR_JOB, "--root", root, "--devices", "2", "--advisor", "--history", tmp_path / "h.sqlite",
+    proc = run(forked(ADVISOR_JOB, "--root", root, "--devices", "2", "--advisor", "--history", tmp_path / "h.sqlite",
                 "--profile-steps", "15", "--probe-steps", "5", "--steps", "20", "--search", '{"data_workers": [0]}',
                 "--inject", "lightning_dlrover.advisor.history:JobHistory.start_job",
-                "lightning_dlrover.advisor.callback:write_reports"], tmp_path, timeout=400)
+                "lightning_dlrover.advisor.callback:write_reports"), tmp_path, timeout=400)
     assert "FINAL_STEP 20 world_size 2" in proc.stdout, proc.stdout[-3000:]
     events = failures(root, "ResourceAdvisor")
     assert {e["hook"]: e.rank for e in events} == {"history": 0, "report": 0}, events
@@ -58,8 +58,8 @@ def test_advisor_whose_history_and_report_fail_goes_on_in_memory(tmp_path):
 @pytest.mark.slow
 def test_monitor_failing_on_one_rank_still_joins_the_collectives(tmp_path):
     root = tmp_path / "run"
-    proc = run([ADVISOR_JOB, "--root", root, "--devices", "2", "--steps", "10",
-                "--inject", "lightning_dlrover.monitor.throughput:rss_bytes@3#1"], tmp_path, timeout=300)
+    proc = run(forked(ADVISOR_JOB, "--root", root, "--devices", "2", "--steps", "10",
+                "--inject", "lightning_dlrover.monitor.throughput:rss_bytes@3#1"), tmp_path, timeout=300)
     assert "FINAL_STEP 10 world_size 2" in proc.stdout, proc.stdout[-3000:]
     [event] = failures(root, "ThroughputMonitor")
     assert (event.rank, event.step, event["hook"]) == (1, 4, "on_train_batch_end")
@@ -76,9 +76,9 @@ def test_monitor_failing_on_one_rank_still_joins_the_collectives(tmp_path):
 def test_advisor_failing_on_one_rank_before_its_collective_steps_back_on_every_rank(tmp_path, spec, hook):
     # Rank 1's advisor fails right before a collective rank 0 enters: before the fix rank 0 waited there for good.
     root = tmp_path / "run"
-    proc = run([ADVISOR_JOB, "--root", root, "--devices", "2", "--advisor", "--steps", "16", "--check-every", "4",
+    proc = run(forked(ADVISOR_JOB, "--root", root, "--devices", "2", "--advisor", "--steps", "16", "--check-every", "4",
                 "--profile-steps", "6", "--probe-steps", "3", "--search", '{"data_workers": [0]}',
-                "--inject", spec], tmp_path, timeout=240)
+                "--inject", spec), tmp_path, timeout=240)
     assert "FINAL_STEP 16 world_size 2" in proc.stdout, proc.stdout[-3000:]
     events = failures(root, "ResourceAdvisor")
     assert sorted(e.rank for e in events) == [0, 1], events  # each rank reports once
@@ -91,9 +91,9 @@ def test_advisor_failing_on_one_rank_before_its_collective_steps_back_on_every_r
 @pytest.mark.slow
 def test_scaler_failing_on_one_rank_before_its_goodput_decision_steps_back_on_every_rank(tmp_path):
     # Rank 1 fails predicting the gain, right before the decision's collective rank 0 enters (hung before the fix).
-    proc = run([SCALER_JOB, "--log", tmp_path / "samples", "--devices", "2", "--steps", "8", "--batch", "64",
+    proc = run(forked(SCALER_JOB, "--log", tmp_path / "samples", "--devices", "2", "--steps", "8", "--batch", "64",
                 "--range", "32", "256", "--policy", "goodput", "--check-every", "3",
-                "--inject", "lightning_dlrover.elastic.goodput:GoodputModel.worth_switching#1"], tmp_path, timeout=240)
+                "--inject", "lightning_dlrover.elastic.goodput:GoodputModel.worth_switching#1"), tmp_path, timeout=240)
     assert "`Trainer.fit` stopped: `max_steps=8` reached." in proc.stdout, proc.stdout[-3000:]
     by_rank = {e.rank: e for e in failures(tmp_path, "ElasticBatchScaler")}
     assert sorted(by_rank) == [0, 1] and by_rank[0].step == by_rank[1].step == 3, by_rank

@@ -13,7 +13,7 @@ import yaml
 from torchmetrics.functional.classification import binary_auroc
 
 from lightning_dlrover.data.generate import GeneratorConfig, write_day_file
-from tests.conftest import REPO, run
+from tests.conftest import REPO, forked, run, together
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,8 @@ def fitted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("after-fit")
     tsv = tmp / "day_1.tsv"
     write_day_file(tsv, SAMPLES, GeneratorConfig(max_vocab=1000, seed=5))
-    out = run([SCRIPT, "--devices", "2", "--fit-steps", "4", "--ckpt", tmp / "ckpt", "--tsv", tsv,
-               "--out", tmp / "p2.csv"], tmp).stdout
+    out = run(forked(SCRIPT, "--devices", "2", "--fit-steps", "4", "--ckpt", tmp / "ckpt", "--tsv", tsv,
+                     "--out", tmp / "p2.csv"), tmp).stdout
     return tmp, tsv, json.loads(METRICS.search(out).group(1))
 
 
@@ -72,11 +72,16 @@ def test_test_and_predict_at_1_2_3_ranks(fitted):
     batch shapes, so a few differ in the last bit). ``test`` at 1 (CLI), 2 and 3 ranks reports the log loss, AUC,
     calibration and NE a single process computes from the 1-rank predictions of the same samples."""
     tmp, tsv, metrics2 = fitted
-    out3 = run([SCRIPT, "--devices", "3", "--ckpt", tmp / "ckpt", "--tsv", tsv, "--out", tmp / "p3.csv"], tmp).stdout
+    # three independent jobs reading the checkpoint, at once (the CLI's each in a directory of its own)
+    (tmp / "predict").mkdir()
+    (tmp / "test").mkdir()
+    out3, predicted, tested = together(
+        lambda: run(forked(SCRIPT, "--devices", "3", "--ckpt", tmp / "ckpt", "--tsv", tsv, "--out", tmp / "p3.csv"),
+                    tmp).stdout,
+        lambda: _cli(tmp / "predict", tsv, "predict", "--ckpt_path", tmp / "ckpt", "--predictions.out", tmp / "p1.csv"),
+        lambda: _cli(tmp / "test", tsv, "test", "--ckpt_path", tmp / "ckpt"))
     metrics3 = json.loads(METRICS.search(out3).group(1))
-    predicted = _cli(tmp, tsv, "predict", "--ckpt_path", tmp / "ckpt", "--predictions.out", tmp / "p1.csv")
     assert predicted.returncode == 0, predicted.stdout[-3000:]
-    tested = _cli(tmp, tsv, "test", "--ckpt_path", tmp / "ckpt")
     assert tested.returncode == 0, tested.stdout[-3000:]
     metrics1 = {name: float(value) for name, value in re.findall(r"^\s*(test/\w+)\s+([-0-9.eE+]+)\s*$",
                                                                     tested.stdout, re.MULTILINE)}
@@ -113,9 +118,10 @@ def test_a_users_own_model_predicts_every_sample_once(tmp_path):
     padding repeats samples) fitted on 2 ranks predicts each of its 101 samples once, in order, from its checkpoint
     at 3 ranks and at 1 rank, with the same probabilities (to 1e-6; bit-equal when measured)."""
     script = REPO / "tests" / "scripts" / "user_model_predict.py"
-    run([script, "--devices", "2", "--fit-steps", "3", "--root", tmp_path, "--out", tmp_path / "fit.csv"], tmp_path)
-    run([script, "--devices", "3", "--root", tmp_path, "--out", tmp_path / "p3.csv"], tmp_path)
-    run([script, "--devices", "1", "--root", tmp_path, "--out", tmp_path / "p1.csv"], tmp_path)
+    run(forked(script, "--devices", "2", "--fit-steps", "3", "--root", tmp_path, "--out", tmp_path / "fit.csv"),
+        tmp_path)
+    together(lambda: run(forked(script, "--devices", "3", "--root", tmp_path, "--out", tmp_path / "p3.csv"), tmp_path),
+             lambda: run([script, "--devices", "1", "--root", tmp_path, "--out", tmp_path / "p1.csv"], tmp_path))
     index3, probability3, _ = _predictions(tmp_path / "p3.csv")
     index1, probability1, _ = _predictions(tmp_path / "p1.csv")
     assert index3.tolist() == index1.tolist() == _predictions(tmp_path / "fit.csv")[0].tolist() == list(range(101))

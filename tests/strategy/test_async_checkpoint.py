@@ -21,7 +21,7 @@ import pytest
 from lightning_dlrover.checkpoint.directory import latest_checkpoint
 from lightning_dlrover.monitor.events import read_events
 from lightning_dlrover.strategy.checkpointing import WRITE_HOOK_ENV
-from tests.conftest import REPO, TRAIN_SCRIPT, digests, run, start, train
+from tests.conftest import REPO, TRAIN_SCRIPT, digests, forked, run, start, train_forked
 
 pytestmark = pytest.mark.slow
 USER_MODEL = REPO / "tests" / "scripts" / "user_model.py"
@@ -31,7 +31,7 @@ USER_MODEL = REPO / "tests" / "scripts" / "user_model.py"
 def straight(tmp_path_factory) -> dict[str, str]:
     """Digests (every 4 steps and at the end) of an uninterrupted 16-step run with blocking checkpoints."""
     tmp = tmp_path_factory.mktemp("straight")
-    return digests(train(tmp, "--steps", "16", "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "4",
+    return digests(train_forked(tmp, "--steps", "16", "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "4",
                          "--digest-every", "4").stdout)
 
 
@@ -50,8 +50,8 @@ def test_slow_background_write_holds_its_step_and_the_next_save_waits(tmp_path, 
     save waits for it; the step-8 checkpoint holds the state of step 8 (a resume from it continues exactly) and the
     run ends with the digest of a run with blocking checkpoints."""
     ckpt = tmp_path / "ckpt"
-    out = run([TRAIN_SCRIPT, "--steps", "16", "--ckpt-dir", ckpt, "--ckpt-every", "4", "--digest-every", "4",
-               "--async-ckpt"], tmp_path, env={WRITE_HOOK_ENV: "sleep=4,step=8"}).stdout
+    out = run(forked(TRAIN_SCRIPT, "--steps", "16", "--ckpt-dir", ckpt, "--ckpt-every", "4", "--digest-every", "4",
+               "--async-ckpt"), tmp_path, env={WRITE_HOOK_ENV: "sleep=4,step=8"}).stdout
     assert digests(out) == straight, "asynchronous saves change nothing in training"
     assert names(ckpt) == [f"epoch=0-step={s}.ckpt" for s in (12, 16, 4, 8)], "every save committed, none partial"
     events = read_events([tmp_path / "dlrover_events.jsonl"])
@@ -62,7 +62,7 @@ def test_slow_background_write_holds_its_step_and_the_next_save_waits(tmp_path, 
     staging = [e for e in events if e.kind == "checkpoint_staging"]
     assert len(staging) == 2 and all(e["bytes"] > 0 for e in staging), "staging memory reported up front"
 
-    resumed = digests(train(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4", "--async-ckpt",
+    resumed = digests(train_forked(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4", "--async-ckpt",
                             "--resume", str(ckpt / "epoch=0-step=8.ckpt")).stdout)
     assert resumed["8"] == straight["8"], "the checkpoint holds the state of its step, not of a later one"
     assert resumed["end"] == straight["end"]
@@ -103,7 +103,7 @@ def test_rank_killed_during_background_write_keeps_the_previous_checkpoint(tmp_p
     assert latest_checkpoint(ckpt).name == "epoch=0-step=4.ckpt", "the interrupted save does not count"
     assert not (ckpt / "epoch=0-step=8.ckpt").exists()
 
-    resumed = digests(train(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4",
+    resumed = digests(train_forked(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4",
                             "--resume", str(latest_checkpoint(ckpt))).stdout)
     assert resumed["4"] == straight["4"]
     assert resumed["end"] == straight["end"], "the resumed run continues exactly"
@@ -114,8 +114,8 @@ def test_failed_background_write_is_an_event_and_training_goes_on(tmp_path, stra
     ``checkpoint_failed``, a warning names the newest complete checkpoint, nothing of step 8 is left, and training
     goes on (later saves commit and hold their step's state, the run ends as one without the failure)."""
     ckpt = tmp_path / "ckpt"
-    out = run([TRAIN_SCRIPT, "--steps", "16", "--ckpt-dir", ckpt, "--ckpt-every", "4", "--digest-every", "4",
-               "--async-ckpt"], tmp_path, env={WRITE_HOOK_ENV: "fail=ENOSPC,step=8,rank=1"}).stdout
+    out = run(forked(TRAIN_SCRIPT, "--steps", "16", "--ckpt-dir", ckpt, "--ckpt-every", "4", "--digest-every", "4",
+               "--async-ckpt"), tmp_path, env={WRITE_HOOK_ENV: "fail=ENOSPC,step=8,rank=1"}).stdout
     assert digests(out)["end"] == straight["end"]
     assert names(ckpt) == [f"epoch=0-step={s}.ckpt" for s in (12, 16, 4)]
     failed = [e for e in read_events([tmp_path / "dlrover_events.jsonl"]) if e.kind == "checkpoint_failed"]
@@ -125,7 +125,7 @@ def test_failed_background_write_is_an_event_and_training_goes_on(tmp_path, stra
     assert os.path.basename(by_rank[0]["kept"]) == "epoch=0-step=4.ckpt"
     assert "was not saved" in out and "No space left on device" in out
     # the step-12 save copied into the staging memory of the failed one: it holds the state of step 12
-    resumed = digests(train(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4",
+    resumed = digests(train_forked(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4",
                             "--resume", str(ckpt / "epoch=0-step=12.ckpt")).stdout)
     assert resumed["12"] == straight["12"] and resumed["end"] == straight["end"]
 

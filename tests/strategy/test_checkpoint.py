@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import digests, train
+from tests.conftest import digests, train_forked
 
 pytestmark = pytest.mark.slow
 
@@ -18,8 +18,8 @@ def uninterrupted(tmp_path_factory):
         if backend not in runs:
             tmp = tmp_path_factory.mktemp(f"uninterrupted-{backend}")
             ckpt = tmp / "ckpt"
-            out = train(tmp, "--steps", "16", "--ckpt-dir", str(ckpt), "--ckpt-every", "8", "--digest-every", "8",
-                        "--backend", backend).stdout
+            out = train_forked(tmp, "--steps", "16", "--ckpt-dir", str(ckpt), "--ckpt-every", "8", "--digest-every",
+                               "8", "--backend", backend).stdout
             runs[backend] = digests(out), ckpt
         return runs[backend]
 
@@ -31,7 +31,7 @@ def test_resume_continues_exactly(tmp_path, uninterrupted, backend):
     """A run resumed from the checkpoint of step 8 starts from exactly the state saved at step 8 and ends where the
     uninterrupted run ends; the checkpoint directory holds only the complete checkpoints (no partial one)."""
     straight, ckpt = uninterrupted(backend)
-    resumed = digests(train(tmp_path, "--steps", "16", "--resume", str(ckpt / "epoch=0-step=8.ckpt")).stdout)
+    resumed = digests(train_forked(tmp_path, "--steps", "16", "--resume", str(ckpt / "epoch=0-step=8.ckpt")).stdout)
     assert resumed["8"] == straight["8"], "the restored state is the saved state"
     assert resumed["end"] == straight["end"], "a resumed run ends where an uninterrupted one does"
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=16.ckpt", "epoch=0-step=8.ckpt"], \
@@ -41,7 +41,8 @@ def test_resume_continues_exactly(tmp_path, uninterrupted, backend):
 def test_dcp_restores_into_a_larger_world_size(tmp_path, uninterrupted):
     """A dcp checkpoint saved by 2 ranks restores exactly onto 3."""
     saved, ckpt = uninterrupted("dcp")
-    loaded = digests(train(tmp_path, "--devices", "3", "--steps", "9", "--resume", str(ckpt / "epoch=0-step=8.ckpt")).stdout)
+    loaded = digests(train_forked(tmp_path, "--devices", "3", "--steps", "9", "--resume",
+                                  str(ckpt / "epoch=0-step=8.ckpt")).stdout)
     assert loaded["8"] == saved["8"]
 
 
@@ -49,11 +50,12 @@ def test_dcp_restores_into_a_larger_world_size(tmp_path, uninterrupted):
 def test_restore_into_other_world_size(tmp_path, backend, save_ws, load_ws):
     ckpt = tmp_path / "ckpt"
     saved = digests(
-        train(tmp_path, "--devices", str(save_ws), "--steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-every", "6",
+        train_forked(tmp_path, "--devices", str(save_ws), "--steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-every", "6",
               "--backend", backend).stdout
     )
     loaded = digests(
-        train(tmp_path, "--devices", str(load_ws), "--steps", "7", "--resume", str(ckpt / "epoch=0-step=6.ckpt")).stdout
+        train_forked(tmp_path, "--devices", str(load_ws), "--steps", "7", "--resume",
+                     str(ckpt / "epoch=0-step=6.ckpt")).stdout
     )
     assert loaded["6"] == saved["end"]
 
@@ -61,7 +63,8 @@ def test_restore_into_other_world_size(tmp_path, backend, save_ws, load_ws):
 def test_torchsnapshot_refuses_to_grow(tmp_path, uninterrupted):
     """A torchsnapshot checkpoint of 2 ranks does not restore onto 3: the error names the fix (dcp)."""
     _, ckpt = uninterrupted("torchsnapshot")
-    proc = train(tmp_path, "--devices", "3", "--steps", "9", "--resume", str(ckpt / "epoch=0-step=8.ckpt"), check=False)
+    proc = train_forked(tmp_path, "--devices", "3", "--steps", "9", "--resume", str(ckpt / "epoch=0-step=8.ckpt"),
+                        check=False)
     assert proc.returncode != 0
     assert "cannot restore shards onto the new ranks of world size 3" in proc.stdout
     assert "checkpoint_backend='dcp'" in proc.stdout

@@ -20,7 +20,7 @@ import pytest
 from lightning_dlrover.checkpoint.directory import latest_checkpoint
 from lightning_dlrover.monitor.events import read_events
 from lightning_dlrover.strategy.checkpointing import WRITE_HOOK_ENV
-from tests.conftest import REPO, TRAIN_SCRIPT, digests, run, start, train
+from tests.conftest import REPO, TRAIN_SCRIPT, digests, forked, run, start, train_forked
 
 pytestmark = pytest.mark.slow
 USER_MODEL = REPO / "tests" / "scripts" / "user_model.py"
@@ -30,7 +30,7 @@ USER_MODEL = REPO / "tests" / "scripts" / "user_model.py"
 def straight(tmp_path_factory) -> dict[str, str]:
     """Digests (every 4 steps and at the end) of an uninterrupted 16-step run with full blocking checkpoints."""
     tmp = tmp_path_factory.mktemp("straight")
-    return digests(train(tmp, "--steps", "16", "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "4",
+    return digests(train_forked(tmp, "--steps", "16", "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "4",
                          "--digest-every", "4").stdout)
 
 
@@ -39,7 +39,8 @@ def chain(tmp_path_factory):
     """``(digests, checkpoint dir, events, output)`` of a 16-step run saving asynchronously every 4 steps, a full
     checkpoint every 4 saves: step 4 full, steps 8, 12 and 16 deltas."""
     tmp = tmp_path_factory.mktemp("chain")
-    out = train(tmp, "--steps", "16", "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "4", "--digest-every", "4",
+    out = train_forked(tmp, "--steps", "16", "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "4", "--digest-every",
+                       "4",
                 "--async-ckpt", "--incremental", "4").stdout
     return digests(out), tmp / "ckpt", read_events([tmp / "dlrover_events.jsonl"]), out
 
@@ -75,7 +76,7 @@ def test_resume_from_a_delta_in_the_middle_of_a_chain(tmp_path, straight, chain)
     assert saves == [(s, r, i) for i, s in enumerate((4, 8, 12, 16)) for r in (0, 1)]
     assert all(e["rows"] > 0 for e in events if e.kind == "checkpoint_saved" and e["link"])
 
-    resumed = digests(train(tmp_path, "--steps", "16", "--digest-every", "4", "--incremental", "4",
+    resumed = digests(train_forked(tmp_path, "--steps", "16", "--digest-every", "4", "--incremental", "4",
                             "--resume", str(ckpt / "epoch=0-step=8.ckpt")).stdout)
     assert resumed["8"] == straight["8"], "full + one delta restore the state of step 8 bit for bit"
     assert resumed["end"] == straight["end"]
@@ -84,7 +85,7 @@ def test_resume_from_a_delta_in_the_middle_of_a_chain(tmp_path, straight, chain)
 def test_a_chain_restores_onto_another_world_size(tmp_path, straight, chain):
     """Full + two deltas written by 2 ranks restore onto 3 (rows are stored by global index)."""
     _, ckpt, _, _ = chain
-    loaded = digests(train(tmp_path, "--devices", "3", "--steps", "13", "--resume",
+    loaded = digests(train_forked(tmp_path, "--devices", "3", "--steps", "13", "--resume",
                            str(ckpt / "epoch=0-step=12.ckpt")).stdout)
     assert loaded["12"] == straight["12"]
 
@@ -97,7 +98,8 @@ def test_a_missing_link_restores_the_newest_complete_prefix(tmp_path, straight, 
     copy.mkdir()
     for step in (4, 12):
         os.symlink(ckpt / f"epoch=0-step={step}.ckpt", copy / f"epoch=0-step={step}.ckpt")
-    out = train(tmp_path, "--steps", "16", "--digest-every", "4", "--resume", str(copy / "epoch=0-step=12.ckpt")).stdout
+    out = train_forked(tmp_path, "--steps", "16", "--digest-every", "4", "--resume",
+                       str(copy / "epoch=0-step=12.ckpt")).stdout
     assert "link 1 of the incremental checkpoint chain" in out and "newest complete prefix" in out
     broken = [e for e in read_events([tmp_path / "dlrover_events.jsonl"]) if e.kind == "checkpoint_chain_broken"]
     assert [(e.step, e["missing_link"], os.path.basename(e["used"])) for e in broken] == [(4, 1, "epoch=0-step=4.ckpt")]
@@ -123,7 +125,8 @@ def test_killed_delta_write_leaves_the_previous_link(tmp_path, straight):
         job.communicate()
     newest = latest_checkpoint(ckpt)
     assert newest.name == "epoch=0-step=8.ckpt" and link(newest)["link"] == 1
-    resumed = digests(train(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4", "--resume", str(newest)).stdout)
+    resumed = digests(train_forked(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4", "--resume",
+                                   str(newest)).stdout)
     assert resumed["8"] == straight["8"] and resumed["end"] == straight["end"]
 
 
@@ -131,12 +134,12 @@ def test_failed_delta_gives_its_rows_to_the_next(tmp_path, straight):
     """The step-8 delta's write fails (ENOSPC on rank 1): the step-12 delta follows the full link directly and holds
     the rows changed since step 4, so a resume from it is exact."""
     ckpt = tmp_path / "ckpt"
-    out = run([TRAIN_SCRIPT, "--steps", "12", "--ckpt-dir", ckpt, "--ckpt-every", "4", "--async-ckpt",
-               "--incremental", "4", "--digest-every", "4"], tmp_path,
+    out = run(forked(TRAIN_SCRIPT, "--steps", "12", "--ckpt-dir", ckpt, "--ckpt-every", "4", "--async-ckpt",
+               "--incremental", "4", "--digest-every", "4"), tmp_path,
               env={WRITE_HOOK_ENV: "fail=ENOSPC,step=8,rank=1"}).stdout
     assert names(ckpt) == ["epoch=0-step=12.ckpt", "epoch=0-step=4.ckpt"]
     assert link(ckpt / "epoch=0-step=12.ckpt")["link"] == 1
-    resumed = digests(train(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4",
+    resumed = digests(train_forked(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4",
                             "--resume", str(ckpt / "epoch=0-step=12.ckpt")).stdout)
     assert digests(out)["12"] == straight["12"] == resumed["12"]
 
@@ -146,15 +149,16 @@ def test_removed_links_wait_for_the_next_chain(tmp_path, straight):
     aside (hidden) and the newest delta restores exactly; once a new chain's full save has committed and the old
     chain's last visible link is removed, the old chain is deleted."""
     ckpt = tmp_path / "ckpt"
-    train(tmp_path, "--steps", "12", "--ckpt-dir", str(ckpt), "--ckpt-every", "4", "--incremental", "3",
+    train_forked(tmp_path, "--steps", "12", "--ckpt-dir", str(ckpt), "--ckpt-every", "4", "--incremental", "3",
           "--save-top-k", "1")
     assert [n for n in names(ckpt) if not n.startswith(".")] == ["epoch=0-step=12.ckpt"]
     assert [link(p)["link"] for p in sorted(ckpt.glob(".*"))] == [0, 1], "links 0 and 1 are kept aside"
-    resumed = digests(train(elsewhere(tmp_path), "--steps", "13", "--resume", str(ckpt / "epoch=0-step=12.ckpt")).stdout)
+    resumed = digests(train_forked(elsewhere(tmp_path), "--steps", "13", "--resume",
+                                   str(ckpt / "epoch=0-step=12.ckpt")).stdout)
     assert resumed["12"] == straight["12"]
 
     longer = tmp_path / "longer"
-    train(tmp_path, "--steps", "16", "--ckpt-dir", str(longer), "--ckpt-every", "4", "--incremental", "3",
+    train_forked(tmp_path, "--steps", "16", "--ckpt-dir", str(longer), "--ckpt-every", "4", "--incremental", "3",
           "--save-top-k", "1")
     assert names(longer) == ["epoch=0-step=16.ckpt"], "the old chain is deleted once nothing needs it"
     assert link(longer / "epoch=0-step=16.ckpt")["link"] == 0
@@ -165,12 +169,13 @@ def test_last_ckpt_overwritten_link_by_link(tmp_path, straight):
     each ``last.ckpt`` is a link of the chain, and the one it replaces is kept aside for the later links that need it,
     so a resume from ``last.ckpt`` (three deltas down the chain) is exact."""
     ckpt = tmp_path / "ckpt"
-    train(tmp_path, "--steps", "12", "--ckpt-dir", str(ckpt), "--ckpt-every", "4", "--incremental", "8",
+    train_forked(tmp_path, "--steps", "12", "--ckpt-dir", str(ckpt), "--ckpt-every", "4", "--incremental", "8",
           "--save-last")
     last = ckpt / "last.ckpt"
     assert link(last)["link"] == 5, "step 4, last, step 8, last, step 12, last: links 0-5"
     assert len(list(ckpt.glob(".dlrover-link-*"))) == 2, "the two earlier last.ckpt kept aside"
-    resumed = digests(train(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4", "--resume", str(last)).stdout)
+    resumed = digests(train_forked(elsewhere(tmp_path), "--steps", "16", "--digest-every", "4", "--resume",
+                                   str(last)).stdout)
     assert resumed["12"] == straight["12"] and resumed["end"] == straight["end"]
 
 
@@ -178,11 +183,12 @@ def test_user_model_with_parity_resumes_from_a_delta(tmp_path):
     """A user's own model (BatchNorm, Dropout, exact Adagrad: a ``[rows, dim]`` optimizer state, a
     StatefulDataLoader) with parity on and blocking saves every 3 steps, a full one every 3 saves: a resume from the
     second delta (step 9) ends where the run that wrote it ends."""
-    first = run([USER_MODEL, "--steps", "12", "--ckpt-every", "3", "--incremental", "3", "--root", tmp_path], tmp_path)
+    first = run(forked(USER_MODEL, "--steps", "12", "--ckpt-every", "3", "--incremental", "3", "--root", tmp_path),
+                       tmp_path)
     ckpt = tmp_path / "checkpoints"
     assert [link(ckpt / f"epoch=0-step={s}.ckpt")["link"] for s in (3, 6, 9, 12)] == [0, 1, 2, 0]
-    resumed = run([USER_MODEL, "--steps", "12", "--incremental", "3", "--root", tmp_path / "again",
-                   "--resume", ckpt / "epoch=0-step=9.ckpt"], tmp_path)
+    resumed = run(forked(USER_MODEL, "--steps", "12", "--incremental", "3", "--root", tmp_path / "again",
+                   "--resume", ckpt / "epoch=0-step=9.ckpt"), tmp_path)
     assert digests(resumed.stdout)["end"] == digests(first.stdout)["end"]
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_dlrover.checkpoint.stream import DCPReader
-from tests.conftest import digests, train
+from tests.conftest import digests, train_forked
 
 pytestmark = pytest.mark.slow
 COLUMN_WISE = ["--sharding-types", "column_wise", "--min-partition", "4"]  # 16 columns: 4 shards of 4 per table
@@ -30,12 +30,12 @@ def test_table_wise_chain_into_column_wise_and_back_is_exact(tmp_path):
     """A table-wise chain (full at step 2, delta at step 4) restores into the column-wise plan, which saves it again;
     that checkpoint restores into the table-wise plan with the digest of the table-wise run at step 4, and step 5
     ends as in that run."""
-    first = digests(train(tmp_path, "--steps", "5", "--ckpt-dir", str(tmp_path / "tw"), "--ckpt-every", "2",
+    first = digests(train_forked(tmp_path, "--steps", "5", "--ckpt-dir", str(tmp_path / "tw"), "--ckpt-every", "2",
                           "--incremental", "4", "--digest-every", "2").stdout)
-    train(tmp_path, "--steps", "4", *COLUMN_WISE, "--resume", str(tmp_path / "tw" / "epoch=0-step=4.ckpt"),
+    train_forked(tmp_path, "--steps", "4", *COLUMN_WISE, "--resume", str(tmp_path / "tw" / "epoch=0-step=4.ckpt"),
           "--save-after", str(tmp_path / "cw.ckpt"))
     assert read(tmp_path / "cw.ckpt", MOMENTUM).numel() == 4 * read(tmp_path / "cw.ckpt", f"model.{TABLE}").shape[0]
-    back = digests(train(tmp_path, "--steps", "5", "--resume", str(tmp_path / "cw.ckpt")).stdout)
+    back = digests(train_forked(tmp_path, "--steps", "5", "--resume", str(tmp_path / "cw.ckpt")).stdout)
     assert back["4"] == first["4"], "table-wise, column-wise and back: the state of step 4, bit for bit"
     assert back["end"] == first["end"]
 
@@ -44,9 +44,9 @@ def test_column_wise_into_table_wise_averages_the_momenta_by_columns(tmp_path):
     """A column-wise checkpoint of a trained model restores into the table-wise plan: the weights are the saved ones
     and each row's momentum is the mean of its 4 column shards' (the exact row-wise momentum of the whole row); the
     job trains on."""
-    train(tmp_path, "--steps", "4", *COLUMN_WISE, "--ckpt-dir", str(tmp_path / "cw"), "--ckpt-every", "4")
+    train_forked(tmp_path, "--steps", "4", *COLUMN_WISE, "--ckpt-dir", str(tmp_path / "cw"), "--ckpt-every", "4")
     saved = tmp_path / "cw" / "epoch=0-step=4.ckpt"
-    train(tmp_path, "--steps", "5", "--resume", str(saved), "--save-after", str(tmp_path / "tw.ckpt"))
+    train_forked(tmp_path, "--steps", "5", "--resume", str(saved), "--save-after", str(tmp_path / "tw.ckpt"))
     # the table-wise job trained one step (step 5) before it saved: compare the rows step 5 did not touch
     weight, momentum = read(tmp_path / "tw.ckpt", f"model.{TABLE}"), read(tmp_path / "tw.ckpt", MOMENTUM)
     saved_weight, saved_momentum = read(saved, f"model.{TABLE}"), read(saved, MOMENTUM)

@@ -14,7 +14,7 @@ import pytest
 
 from lightning_dlrover.monitor.events import KINDS, read_events
 from lightning_dlrover.strategy.checkpointing import WRITE_HOOK_ENV
-from tests.conftest import REPO, TRAIN_SCRIPT, digests, run, train
+from tests.conftest import REPO, TRAIN_SCRIPT, digests, forked, run, train_forked, train_together
 
 pytestmark = pytest.mark.slow
 USER_MODEL = REPO / "tests" / "scripts" / "user_model.py"
@@ -26,7 +26,8 @@ def blocking(tmp_path_factory) -> tuple[dict[str, str], list]:
     """Digests (every 4 steps and at the end) and ``checkpoint_saved`` events of an uninterrupted 12-step run with
     blocking checkpoints."""
     tmp = tmp_path_factory.mktemp("straight")
-    out = train(tmp, "--steps", "12", "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "4", "--digest-every", "4")
+    out = train_forked(tmp, "--steps", "12", "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", "4", "--digest-every",
+                       "4")
     return digests(out.stdout), [e for e in read_events([tmp / "dlrover_events.jsonl"]) if e.kind == "checkpoint_saved"]
 
 
@@ -37,8 +38,9 @@ def straight(blocking) -> dict[str, str]:
 
 def precopied(tmp_path, hook: str) -> tuple[dict[str, str], list]:
     """Digests and ``checkpoint_saved`` events of a 12-step DLRM run pre-copying a full save every 4 steps."""
-    out = run([TRAIN_SCRIPT, "--steps", "12", "--ckpt-dir", tmp_path / "ckpt", "--ckpt-every", "4", "--digest-every",
-               "4", "--async-ckpt", "precopy"], tmp_path, env={WRITE_HOOK_ENV: hook}).stdout
+    out = run(forked(TRAIN_SCRIPT, "--steps", "12", "--ckpt-dir", tmp_path / "ckpt", "--ckpt-every", "4",
+                     "--digest-every",
+               "4", "--async-ckpt", "precopy"), tmp_path, env={WRITE_HOOK_ENV: hook}).stdout
     saved = [e for e in read_events([tmp_path / "dlrover_events.jsonl"]) if e.kind == "checkpoint_saved"]
     return digests(out), saved
 
@@ -58,13 +60,14 @@ def test_precopied_checkpoint_holds_its_step_while_steps_write_rows_during_the_c
     for step in (4, 8):
         assert sum(e["precopy_rows"] for e in saved if e.step == step) > 0, \
             f"no step looked up a row the step-{step} copy had not reached: the test proves nothing"
-    for step in (4, 8):
-        resumed = digests(train(elsewhere(tmp_path, f"resume{step}"), "--steps", "12", "--digest-every", "4",
-                                "--resume", str(tmp_path / "ckpt" / f"epoch=0-step={step}.ckpt")).stdout)
+    ckpt = tmp_path / "ckpt"
+    resumed4, resumed8, onto3 = (digests(job.stdout) for job in train_together(
+        tmp_path, ["--steps", "12", "--digest-every", "4", "--resume", str(ckpt / "epoch=0-step=4.ckpt")],
+        ["--steps", "12", "--digest-every", "4", "--resume", str(ckpt / "epoch=0-step=8.ckpt")],
+        ["--devices", "3", "--steps", "9", "--resume", str(ckpt / "epoch=0-step=8.ckpt")], fork=True))
+    for step, resumed in ((4, resumed4), (8, resumed8)):
         assert resumed[str(step)] == straight[str(step)], f"the step-{step} checkpoint holds the state of its step"
         assert resumed["end"] == straight["end"]
-    onto3 = digests(train(elsewhere(tmp_path, "three"), "--devices", "3", "--steps", "9",
-                          "--resume", str(tmp_path / "ckpt" / "epoch=0-step=8.ckpt")).stdout)
     assert onto3["8"] == straight["8"], "a pre-copied checkpoint restores onto another world size"
 
 
@@ -84,7 +87,7 @@ def test_without_copy_before_write_the_checkpoint_is_not_its_step(tmp_path, stra
     above rules out."""
     _, saved = precopied(tmp_path, SLOW_COPY + ",skip_hooks=1,step=8")
     assert {e["precopy_rows"] for e in saved if e.step == 8} == {0}
-    resumed = digests(train(elsewhere(tmp_path), "--steps", "9", "--resume",
+    resumed = digests(train_forked(elsewhere(tmp_path), "--steps", "9", "--resume",
                             str(tmp_path / "ckpt" / "epoch=0-step=8.ckpt")).stdout)
     assert resumed["8"] != straight["8"]
 
@@ -92,10 +95,10 @@ def test_without_copy_before_write_the_checkpoint_is_not_its_step(tmp_path, stra
 def test_user_model_precopied_checkpoint_resumes_exactly(tmp_path):
     """A user's own model (exact Adagrad: a ``[rows, dim]`` optimizer state per table, BatchNorm, Adam, a
     StatefulDataLoader) pre-copying its step-6 save while steps run: a resume from it ends where the run ends."""
-    first = run([USER_MODEL, "--steps", "12", "--ckpt-every", "6", "--parity", "none", "--async-ckpt", "precopy",
-                 "--root", tmp_path], tmp_path, env={WRITE_HOOK_ENV: "copy_sleep=0.02,chunk_bytes=256"})
+    first = run(forked(USER_MODEL, "--steps", "12", "--ckpt-every", "6", "--parity", "none", "--async-ckpt", "precopy",
+                 "--root", tmp_path), tmp_path, env={WRITE_HOOK_ENV: "copy_sleep=0.02,chunk_bytes=256"})
     saved = [e for e in read_events([tmp_path / "dlrover_events.jsonl"]) if e.kind == "checkpoint_saved"]
     assert sum(e["precopy_rows"] for e in saved if e.step == 6) > 0
-    resumed = run([USER_MODEL, "--steps", "12", "--parity", "none", "--root", tmp_path / "again",
-                   "--resume", tmp_path / "checkpoints" / "epoch=0-step=6.ckpt"], tmp_path)
+    resumed = run(forked(USER_MODEL, "--steps", "12", "--parity", "none", "--root", tmp_path / "again",
+                   "--resume", tmp_path / "checkpoints" / "epoch=0-step=6.ckpt"), tmp_path)
     assert digests(resumed.stdout)["end"] == digests(first.stdout)["end"]

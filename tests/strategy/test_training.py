@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.conftest import digests, train, train_together
+from tests.conftest import digests, together, train, train_forked
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +38,15 @@ def test_trains_with_sharding_type(tmp_path, request, sharding, devices, extra):
 
 
 def test_digest_is_reproducible_and_seed_dependent(tmp_path, table_wise_run):
-    """Two runs with seed 3 print the same digests; the same job with seed 7 (the table-wise run above, also 2
-    ranks, table-wise, batch 96) has another state at step 10."""
-    first, second = (digests(job.stdout) for job in train_together(tmp_path, ["--steps", "10", "--seed", "3"],
-                                                                     ["--steps", "10", "--seed", "3"]))
+    """Two runs with seed 3 print the same digests, one under the strategy's default launcher and one with its ranks
+    forked from one zygote (``tests/conftest.py:forked``, which most multi-process tests use): the same training
+    either way. The same job with seed 7 (the table-wise run above, also 2 ranks, table-wise, batch 96) has another
+    state at step 10."""
+    (tmp_path / "popen").mkdir()
+    (tmp_path / "forked").mkdir()
+    args = ["--steps", "10", "--seed", "3"]
+    first, second = (digests(job.stdout) for job in together(lambda: train(tmp_path / "popen", *args),
+                                                             lambda: train_forked(tmp_path / "forked", *args)))
     other = digests(table_wise_run)
     assert first == second
     assert other["10"] != first["end"]
