@@ -47,6 +47,7 @@ from lightning_dlrover.fault.points import VERIFY_PARITY_ENV
 from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot, dense_buffers, replicated_tensors
 from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
 from lightning_dlrover.fault.restart.renumber import renumber_nodes
+from lightning_dlrover.fault.restart.reshard import restore as restore_spills
 from lightning_dlrover.fault.restart.resume import fall_back, restore_failed_job
 from lightning_dlrover.fault.restart.spill import (
     ProgressRecord,
@@ -356,6 +357,31 @@ class FaultManager(CommitProtocol):
         self._load_dense_state(host, report)
         self.committed_step, self._meta, self._in_flight = step, dict(report.meta), None
         assert self._dense is not None
+        self._dense.take()
+        self.recovered = self._announce_resume = True
+        return report
+
+    def leave_behind(self) -> list[Spill]:
+        """This rank's committed state as spills in memory (the step in flight rolled back; first its tentative state
+        when its vote broke), for :meth:`restore_in_place`: the restart path's spills, never written."""
+        ahead = self._tentative_spill()
+        return ([ahead] if ahead is not None else []) + [self._committed_spill()]
+
+    def restore_in_place(self, host: Host, spills: list[Spill]) -> RecoveryReport:
+        """After a shrink in process sharded ``host.model`` anew for the smaller world: decodes the lost ranks and
+        re-shards every rank's committed state from the survivors' ``spills`` (the restart path's restore), encodes
+        parity for the new world and takes the dense snapshot of the new optimizers (collective). Raises
+        :class:`Unrecoverable` as the restart path's restore does."""
+        assert self.coded is not None and self.parity is not None
+        self.coded.state.close()
+        state = CodedState(host.model, self.parity.k)
+        report = restore_spills(state, spills)
+        if report is None or report.meta is None:
+            raise Unrecoverable("no survivor kept the committed trainer state", self.committed_step)
+        self._load_dense_state(host, report)
+        self.coded = self._encode(host, state, report)
+        self._dense = ReplicatedSnapshot(replicated_tensors(host.lightning_module, lambda: host.optimizers))
+        self.committed_step, self._meta, self._in_flight, self._deciding, self._voted = report.step, dict(report.meta), None, None, -1
         self._dense.take()
         self.recovered = self._announce_resume = True
         return report

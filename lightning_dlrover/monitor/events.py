@@ -75,6 +75,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     # below_parity (fewer than k + r survivors) | would_not_fit (the advisor's memory forecast) | no_parity |
     # no_shrinker (the strategy cannot re-shard in process)
     "shrink_refused": ("why", "world_size", "lost_ranks"),
+    # the launcher: no spare for lost_ranks and none to start (launch --no-cold-start): the survivors shrink to
+    # world_size; pids: {new rank: pid of the process that holds it (started before the loss)}
+    "shrink_planned": ("generation", "lost_ranks", "world_size", "pids"),
     # every survivor of a shrink in process: its old rank, the world sizes; times are Unix seconds (as for
     # recovered_in_process); decode_s, reshard_s: the restore's decode and re-shard
     "shrunk_in_process": ("old_rank", "old_world_size", "world_size", "lost_ranks", "decode_s", "reshard_s",
