@@ -82,6 +82,7 @@ class FaultManager(CommitProtocol):
         self._spill_dir: Path | None = None
         self._assignment: membership.Assignment | None = None  # the lost rank this process took, as a hot spare
         self._recovery: inplace.InProcessRecovery | None = None
+        self._left_behind = False
 
     # ------------------------------------------------------------------------------ launchers
     @staticmethod
@@ -255,6 +256,8 @@ class FaultManager(CommitProtocol):
     def on_exception(self, error: BaseException) -> None:
         """Spills this rank's committed state to shared memory for the restarted job (under ``torchrun``; with parity).
         The step in flight is rolled back first; a spill needs no other rank."""
+        if self._left_behind:  # a shrink in process failed half-way: its spills are written (write_left_behind)
+            return
         reason = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         if self._host is not None and self.coded is None and self.committed_step >= 0:
             emit("stopped", step=self.committed_step, reason=reason, spill="nothing (no parity)", spill_s=0.0,
@@ -367,6 +370,13 @@ class FaultManager(CommitProtocol):
         ahead = self._tentative_spill()
         return ([ahead] if ahead is not None else []) + [self._committed_spill()]
 
+    def write_left_behind(self, spills: list[Spill]) -> None:
+        """A shrink in process failed half-way: writes the spills :meth:`leave_behind` kept (the committed state from
+        before it) for the restart path; this rank spills nothing more when it stops."""
+        self._left_behind = True
+        for spill in spills if self._spill_dir is not None else []:
+            write_spill(self._spill_dir, spill)
+
     def restore_in_place(self, host: Host, spills: list[Spill]) -> RecoveryReport:
         """After a shrink in process sharded ``host.model`` anew for the smaller world: decodes the lost ranks and
         re-shards every rank's committed state from the survivors' ``spills`` (the restart path's restore), encodes
@@ -381,7 +391,7 @@ class FaultManager(CommitProtocol):
         self._load_dense_state(host, report)
         self.coded = self._encode(host, state, report)
         self._dense = ReplicatedSnapshot(replicated_tensors(host.lightning_module, lambda: host.optimizers))
-        self.committed_step, self._meta, self._in_flight, self._deciding, self._voted = report.step, dict(report.meta), None, None, -1
+        self.committed_step, self._meta, self._in_flight, self._voted = report.step, dict(report.meta), None, -1
         self._dense.take()
         self.recovered = self._announce_resume = True
         return report

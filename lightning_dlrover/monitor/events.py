@@ -73,7 +73,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "in_process_refused": ("why", "error"),
     # survivors of a loss with no spare would go on at the smaller world but cannot (fault/inplace/shrink.py): why is
     # below_parity (fewer than k + r survivors) | would_not_fit (the advisor's memory forecast) | no_parity |
-    # no_shrinker (the strategy cannot re-shard in process)
+    # no_shrinker (the strategy cannot re-shard in process) | failed (half-way; the spills of the step are written)
     "shrink_refused": ("why", "world_size", "lost_ranks"),
     # the launcher: no spare for lost_ranks and none to start (launch --no-cold-start): the survivors shrink to
     # world_size; pids: {new rank: pid of the process that holds it (started before the loss)}

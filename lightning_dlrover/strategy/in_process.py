@@ -68,8 +68,7 @@ def shrinker(trainer: pl.Trainer, strategy: DLRoverStrategy) -> Callable[[int, i
         renumber(strategy, rank, world_size)
         module = strategy.lightning_module
         shard_model.unshard(strategy, module)
-        strategy._dmp = None
-        strategy.model = strategy._shard(module)
+        strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False)  # the restore fills it
         strategy.setup_optimizers(trainer)
 
     return run

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from tests.conftest import run
-from tests.fault.test_in_process import SCRIPT, free_port, launch
+from tests.fault.test_in_process import SCRIPT, fault_free, free_port, launch
 
 pytestmark = pytest.mark.slow
 
@@ -56,3 +56,17 @@ def test_a_shrink_below_k_plus_r_restarts_every_worker_with_the_reason(tmp_path)
     refused = [e for e in events if e.kind == "shrink_refused"]
     assert refused and refused[0].fields["why"] == "below_parity", output[-4000:]
     assert "restarting_all" in [e.kind for e in events]
+
+
+def test_a_shrink_that_fails_half_way_restarts_every_worker_from_the_state_before_it(tmp_path):
+    """Rank 1 raises during the shrink (after the group shrank): the survivors write the spills of step 6 they kept,
+    the launcher restarts all 3 ranks, and they restore step 6 from those spills: nothing is lost, and the job ends
+    with the digest of the same job without a fault."""
+    faults = "rank=0,step=6,phase=before_forward;rank=1,step=6,phase=during_recovery,signal=error"
+    digest, events, output = launch(tmp_path, "half-way", "--spares", "0", "--no-cold-start", nproc=3, fault=faults)
+    failed = [e for e in events if e.kind == "shrink_refused"]
+    assert failed and all(e.fields["why"] == "failed" for e in failed), output[-4000:]
+    assert "restarting_all" in [e.kind for e in events] and "shrunk_in_process" not in [e.kind for e in events]
+    restored = next(e for e in events if e.kind == "restored")
+    assert (restored.step, restored.fields["world_size"], restored.fields["lost_ranks"]) == (6, 3, [0])
+    assert digest == fault_free(tmp_path / "reference", nproc=3)

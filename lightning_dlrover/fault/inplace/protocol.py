@@ -61,6 +61,8 @@ class Rejoiner(Protocol):
 
     def leave_behind(self) -> list[Any]: ...
 
+    def write_left_behind(self, spills: list[Any]) -> None: ...
+
     def restore_in_place(self, host: Host, spills: list[Any]) -> RecoveryReport: ...
 
     def rejoin(self, host: Host, survivor: bool, lost: list[int]) -> RecoveryReport: ...
@@ -221,14 +223,21 @@ class InProcessRecovery:
         old_rank, group = host.global_rank, world_group()
         assert group is not None and plan.world_size is not None
         spills = self.manager.leave_behind()  # the restart path's spills, kept in memory
-        rank = survivor_ranks(world_size, plan.lost)[old_rank]
-        group.reconfigure(plan.generation, rank=rank, world_size=plan.world_size)
-        self.times.connected_at = time.time()
-        self.shrinker(rank, plan.world_size)
-        wrapped = dmp_wrapped_module(host.model)  # the dense part's DDP divides by the group's first size
-        if isinstance(wrapped, DistributedDataParallel):
-            wrapped.register_comm_hook(group, divide_by_live_size)
-        report = self.manager.restore_in_place(host, spills)
+        try:
+            rank = survivor_ranks(world_size, plan.lost)[old_rank]
+            group.reconfigure(plan.generation, rank=rank, world_size=plan.world_size)
+            self.times.connected_at = time.time()
+            self.manager.reach("during_recovery", self.manager.committed_step)
+            self.shrinker(rank, plan.world_size)
+            wrapped = dmp_wrapped_module(host.model)  # the dense part's DDP divides by the group's first size
+            if isinstance(wrapped, DistributedDataParallel):
+                wrapped.register_comm_hook(group, divide_by_live_size)
+            report = self.manager.restore_in_place(host, spills)
+        except Exception as err:  # noqa: BLE001 - half-way: the restart path takes over from the state before it
+            self.manager.write_left_behind(spills)
+            shrink.refuse(world_size, plan.lost, shrink.FAILED, f"it failed half-way on rank {old_rank} "
+                          f"({type(err).__name__}: {str(err)[:200]})", step=self.manager.committed_step)
+            return None
         self.times.restored_at = time.time()
         if self._store is not None:
             membership.report_restored(self._store, restart_count(), plan.generation)

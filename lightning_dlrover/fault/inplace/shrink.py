@@ -37,6 +37,7 @@ BELOW_PARITY = "below_parity"
 WOULD_NOT_FIT = "would_not_fit"
 NO_PARITY = "no_parity"
 NO_SHRINKER = "no_shrinker"  # the strategy cannot re-shard its model in process
+FAILED = "failed"  # the shrink failed half-way: the survivors wrote the spills of the committed state and stop
 
 
 def refusal(world_size: int, lost: list[int], parity: tuple[int, int] | None, moved_bytes: float = 0.0,
