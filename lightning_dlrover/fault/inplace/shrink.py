@@ -4,27 +4,36 @@ The restart path already shrinks (``torchrun --nnodes MIN:MAX``: survivors spill
 smaller size and decodes and re-shards from the spills, :mod:`lightning_dlrover.fault.restart`). In process, the
 survivors do the same work without leaving their processes:
 
-1. the launcher's :class:`~lightning_dlrover.fault.inplace.membership.Plan` has no replacement and a smaller
-   ``world_size`` (:func:`shrink_plan`); the survivors take the ranks :func:`~lightning_dlrover.fault.restart.
-   renumber.survivor_ranks` gives them (in order, gaps closed: what the restarted job numbers them);
+1. the launcher (``launch --spares 0 --no-cold-start``, one machine) publishes a
+   :class:`~lightning_dlrover.fault.inplace.membership.Plan` with no replacement and a smaller ``world_size``
+   (``shrink_planned``); the survivors take the ranks :func:`~lightning_dlrover.fault.restart.renumber.survivor_ranks`
+   gives them (in order, gaps closed: what the restarted job numbers them);
 2. each survivor checks that the shrink can run (:func:`refusal`): below ``k + r`` ranks the parity of the smaller
    world cannot be placed, and a shrink the advisor's memory forecast says would not fit must not be tried; a
    refused shrink emits ``shrink_refused`` and raises the original error, and the launcher's restart path takes over;
-3. the world group is reconfigured to the new generation with the new rank and world size
-   (:meth:`~lightning_dlrover.fault.inplace.process_group.ReconfigurableGroup.reconfigure`).
+3. each survivor keeps its committed state as the restart path's spills, in memory (``FaultManager.leave_behind``),
+   and the world group is reconfigured to the new generation with the new rank and world size
+   (:meth:`~lightning_dlrover.fault.inplace.process_group.ReconfigurableGroup.reconfigure`);
+4. the strategy's ``shrinker`` renumbers the process (environment, Lightning's ranks, the data loader) and shards the
+   model anew for the smaller world, with fresh optimizers (``strategy/in_process.py``, ``strategy/shard_model.py``);
+   DDP's average is set to the live world size;
+5. ``FaultManager.restore_in_place`` decodes the lost ranks and re-shards every rank's committed state from the
+   spills (the restart path's :func:`~lightning_dlrover.fault.restart.reshard.restore`), encodes parity for the new
+   group, and the fit loop resumes at the committed step with the same global batch (``shrunk_in_process``).
 
-Built so far: steps 1-3 (the group shrinks in place, tested across real processes, DDP's average included through
-:func:`~lightning_dlrover.fault.inplace.process_group.divide_by_live_size`). Not built: re-sharding the model onto the
-smaller world in process and resuming the fit loop, so the launcher never publishes a shrink plan yet and a rank lost
-with no spare is still taken by a process started at the loss.
+A shrink that fails half-way writes the spills it kept (the state before it) and raises the original error
+(``shrink_refused`` with ``why`` ``failed``): the launcher restarts every worker and they restore from the spills.
+
+Not built: the strategy passes no memory forecast (``would_not_fit`` is checked when one is given), a shrink across
+several machines (the launcher shrinks only a one-machine job), and ``ElasticBatchScaler``'s batch rule.
 
 Why not TorchRec's ``DistributedModelParallel.reshard`` (``torchrec/distributed/sharding/dynamic_sharding.py``, 1.8):
 it moves shards between the ranks of a fixed world. Its communication (``prepare_comm_ops``) is sized by the
 sharded module's ``env.world_size`` and sends each moved shard from the rank that holds it; a lost rank holds
 nothing (its shards come from the parity decode), and the sharded modules' input and output all-to-alls keep the
 old world size. The shrink therefore rebuilds the sharded modules for the new plan and fills them from the decoded
-state (the restart path's :func:`~lightning_dlrover.fault.restart.reshard.restore`, fed by spills in the run's
-node directory, which reuses its tested code).
+state (the restart path's :func:`~lightning_dlrover.fault.restart.reshard.restore`, fed by the survivors' spills
+kept in memory: its tested code, without writing the files).
 """
 
 from __future__ import annotations
