@@ -8,16 +8,18 @@ point, the survivors spill; ``torchrun`` at 2 ranks restores from the spills: wh
 another digest than both: the ranks per machine are part of the job.)"""
 
 import re
+from importlib import resources
 
 import pytest
 
+from lightning_dlrover.monitor.events import read_events
 from tests.conftest import run
 from tests.fault.test_in_process import SCRIPT, fault_free, free_port, launch
 
 pytestmark = pytest.mark.slow
 
 
-def restart_path_shrink(workdir) -> str:
+def restart_path_shrink(workdir, program: tuple[str, ...] = (SCRIPT, "--steps", "12")) -> str:
     """The digest of the job shrunk from 3 to 2 ranks by a restart of every worker, from the survivors' spills."""
     workdir.mkdir()
     env = {"LIGHTNING_DLROVER_SPILL_DIR": str(workdir / "spill"), "LIGHTNING_DLROVER_JOB_ID": "shrink-reference"}
@@ -25,7 +27,7 @@ def restart_path_shrink(workdir) -> str:
     for nproc, fault in ((3, "rank=0,step=6,phase=before_forward"), (2, None)):
         torchrun = ["-m", "torch.distributed.run", "--rdzv-backend", "c10d", "--rdzv-id", "shrink-reference",
                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nnodes", "1", "--nproc-per-node", str(nproc),
-                    "--max-restarts", "0", SCRIPT, "--steps", "12", "--root", str(workdir)]
+                    "--max-restarts", "0", *program, *(["--root", str(workdir)] if program[0] == SCRIPT else [])]
         outputs.append(run(torchrun, workdir, timeout=400, check=fault is None,
                            env={**env, **({"LIGHTNING_DLROVER_FAULT": fault} if fault else {})}).stdout)
     assert "recovered step 6 of a 3-rank job onto 2 ranks: decoded lost ranks [0]" in outputs[1], outputs[1][-4000:]
@@ -70,3 +72,23 @@ def test_a_shrink_that_fails_half_way_restarts_every_worker_from_the_state_befor
     restored = next(e for e in events if e.kind == "restored")
     assert (restored.step, restored.fields["world_size"], restored.fields["lost_ranks"]) == (6, 3, [0])
     assert digest == fault_free(tmp_path / "reference", nproc=3)
+
+
+def test_our_dlrm_shrinks_from_3_to_2_ranks_in_process_with_the_restart_paths_digest(tmp_path):
+    """The packaged chaos job (a small DLRM, 26 tables, row-wise Adagrad, a checkpoint at step 10: saved by the
+    shrunk job) on 3 ranks, rank 0 killed before step 6."""
+    config = resources.files("lightning_dlrover.cli") / "configs" / "chaos.yaml"
+    job = ("-m", "lightning_dlrover", "fit", "--config", str(config), "--trainer.max_steps=12")
+    workdir = tmp_path / "shrink"
+    workdir.mkdir()
+    events = workdir / "events.jsonl"
+    proc = run(["-m", "lightning_dlrover", "launch", "--nproc-per-node", "3", "--spares", "0", "--no-cold-start",
+                "--master", f"127.0.0.1:{free_port()}", "--", *job, f"--trainer.default_root_dir={workdir}"],
+               workdir, timeout=400, env={"LIGHTNING_DLROVER_EVENTS": str(events), "LIGHTNING_DLROVER_PLAN_TIMEOUT": "20",
+                                          "LIGHTNING_DLROVER_FAULT": "rank=0,step=6,phase=before_forward"})
+    shrunk = [e for e in read_events([events]) if e.kind == "shrunk_in_process"]
+    assert sorted(e.fields["old_rank"] for e in shrunk) == [1, 2] and all(e.step == 6 for e in shrunk), proc.stdout[-4000:]
+    assert (workdir / "checkpoints").exists() or list(workdir.rglob("*step=10*")), "the shrunk job saved no checkpoint"
+    digest = re.findall(r"state digest: ([0-9a-f]{64})", proc.stdout)[-1]
+    reference = tmp_path / "restart"
+    assert digest == restart_path_shrink(reference, (*job, f"--trainer.default_root_dir={reference}"))
