@@ -118,6 +118,7 @@ def _shrink_worker(rank: int, port: int) -> None:
     exit_rank()
 
 
+@pytest.mark.slow
 def test_the_world_group_shrinks_onto_the_survivors_renumbered():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     ctx = mp.get_context("spawn")
@@ -243,6 +244,7 @@ def _reshard_worker(rank: int, port: int) -> None:
     exit_rank()
 
 
+@pytest.mark.slow
 def test_survivors_reshard_the_lost_ranks_tables_onto_the_smaller_world_in_process():
     """TorchRec's sharded tables at 3 ranks, rank 0 lost: ranks 1 and 2 shrink the group, shard the tables anew for
     2 ranks and fill them from their in-memory spills (the restart path's decode and re-shard), every weight and
