@@ -5,6 +5,9 @@ Same job as ``bench/bench_recovery.py`` (the chaos config with 26 tables of ``--
 - ``in-process hot``: one launcher, 4 ranks and 1 hot spare; rank 0 is SIGKILLed before the forward of step
   ``--at-step``; the survivors stay in ``fit``, the spare takes rank 0;
 - ``in-process cold``: the same with no spare (a process is started for the rank after the loss);
+- ``in-process shrink``: the same with no spare and none wanted (``--spares 0 --no-cold-start``): the survivors
+  train on at ``--ranks - 1`` ranks in their own processes (``replace`` is then the group's reconfiguration, and
+  ``restore`` re-sharding the model for the smaller world and restoring the committed state into it);
 - ``dcp``, ``parity restart``: ``bench_recovery.measure`` in the same run (2 ``torchrun`` agents x 2 ranks, node
   0 killed, every worker restarted; a checkpoint at the kill step for ``dcp``, spills for ``parity``).
 
@@ -26,6 +29,7 @@ state); ``/ floor`` is it over ``send``.
     PYTHONPATH=. python bench/bench_in_process.py                # 20k rows per table (127 MiB), ~4 min
     PYTHONPATH=. python bench/bench_in_process.py --rows 100000  # 635 MiB
     PYTHONPATH=. python bench/bench_in_process.py --rows 20000 100000 300000 --methods "in-process hot" dcp
+    PYTHONPATH=. python bench/bench_in_process.py --methods "in-process shrink" "in-process hot" --base-rows 0
 """
 
 from __future__ import annotations
@@ -83,29 +87,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int) -> dict[str, float]:
-    """One in-process drill; timings from its events."""
+def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int, shrink: bool = False) -> dict[str, float]:
+    """One in-process drill (``shrink``: no spare and none wanted, the survivors go on at one rank fewer); timings
+    from its events."""
     config = bench_recovery.job_config(rows, args.dim, "parity", args.at_step, args.at_step + args.after_steps, workdir)
-    run_dir = workdir / f"inprocess-{spares}-{rows}"
+    run_dir = workdir / f"inprocess-{spares}-{rows}{'-shrink' if shrink else ''}"
     run_dir.mkdir()
     events_path = run_dir / "events.jsonl"
     env = {**os.environ, "LIGHTNING_DLROVER_EVENTS": str(events_path), WAIT_FOR_SPARES_ENV: "1" if spares else "0",
            "LIGHTNING_DLROVER_FAULT": f"rank=0,step={args.at_step},phase=before_forward"}
     command = [sys.executable, "-m", "lightning_dlrover", "launch", "--nproc-per-node", str(args.ranks),
-               "--spares", str(spares), "--master", f"127.0.0.1:{free_port()}", "--", "-m", "lightning_dlrover", "fit",
+               "--spares", str(spares), *(["--no-cold-start"] if shrink else []), "--master", f"127.0.0.1:{free_port()}",
+               "--", "-m", "lightning_dlrover", "fit",
                "--config", str(config), f"--trainer.default_root_dir={run_dir}"]
     with open(run_dir / "launch.log", "w") as log:
         code = subprocess.run(command, env=env, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
     events = read_events([events_path])
-    recovered = [e for e in events if e.kind == "recovered_in_process"]
+    recovered = [e for e in events if e.kind == ("shrunk_in_process" if shrink else "recovered_in_process")]
     if code != 0 or not recovered:
         sys.exit(f"in-process drill ({spares} spares, {rows} rows) did not recover in process; see {run_dir}")
     kill = next(e for e in events if e.kind == "fault_injected").time
     resumed = next(e for e in events if e.kind == "resumed").time
-    survivors = [e for e in recovered if e.fields["survivor"]]
-    joiner = next(e for e in recovered if not e.fields["survivor"])
+    survivors = [e for e in recovered if shrink or e.fields["survivor"]]
     failed = min(e.fields["failed_at"] for e in survivors)
     restored = max(e.fields["restored_at"] for e in recovered)
+    if shrink:  # no joiner: "replacement" is the group's reconfiguration, "restore" the re-shard and restore
+        connected = max(e.fields["connected_at"] for e in recovered)
+        return {"lost_bytes": float("nan"), "detect": failed - kill, "replacement": connected - failed,
+                "decode": max(e.fields["decode_s"] + e.fields["reshard_s"] for e in recovered),
+                "restore": restored - connected, "first_step": resumed - restored, "total": resumed - kill}
+    joiner = next(e for e in recovered if not e.fields["survivor"])
     coded = _CODED.search((run_dir / "launch.log").read_text())
     return {
         "lost_bytes": (float(coded[1]) + float(coded[2])) * 2**20 if coded else float("nan"),
@@ -156,7 +167,8 @@ def main() -> None:
             results = {}
             for method in args.methods:
                 if method.startswith("in-process"):
-                    results[method] = in_process(rows, args, Path(tmp), spares=1 if method.endswith("hot") else 0)
+                    results[method] = in_process(rows, args, Path(tmp), spares=1 if method.endswith("hot") else 0,
+                                                 shrink=method.endswith("shrink"))
                 else:
                     results[method] = restart(rows, "parity" if method == "parity restart" else method, args, Path(tmp))
                 print(f"{rows} rows, {method}: {results[method]}", flush=True)

@@ -15,6 +15,9 @@ API only) that the job signature, the sharding checks and the re-plan advice sha
   private ``_filter_sharding_types`` / ``_filter_compute_kernels``, which a subclass overrides to sort them.
 - :func:`skip_collective_validation_broadcast`: ``DistributedModelParallel``'s constructor broadcasts TorchRec's
   collective-validation flag once per process; only ``collective_utils._INITIALIZED`` says it happened.
+- :func:`unsharded_twins`: ``apply_optimizer_in_backward`` keeps a table's optimizer class and arguments only on
+  the parameter (``_optimizer_classes``, ``_optimizer_kwargs``), which sharding replaces; a collection sharded again
+  for another world (a shrink in process) needs them.
 - :func:`uninitialised_tables`: TorchRec initialises a sharded table twice as it builds it (its batched kernel's
   ``init_parameters``, then the sharded collection's ``reset_parameters`` with the table's ``init_fn``) and has no
   option to skip either; a replacement whose tables the decode overwrites sets both aside while it shards.
@@ -117,6 +120,35 @@ def embedding_parameters(module: nn.Module) -> list[EmbeddingParameter]:
         for path, child, _, _ in _collections(module)
         for name, param in child.named_parameters()
     ]
+
+
+def unsharded_twins(module: nn.Module) -> dict[str, Any]:
+    """``{path: make}`` for every embedding collection in ``module`` (read before sharding): ``make()`` returns a new
+    unsharded collection on the meta device with the same tables and in-backward optimizers, to put at ``path`` and
+    shard again for another world (see :mod:`lightning_dlrover.fault.inplace.shrink`). Private reach: the
+    optimizers' classes and arguments (``_optimizer_classes``, ``_optimizer_kwargs``)."""
+    import torch
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    twins: dict[str, Any] = {}
+    for path, child, kind, configs in _collections(module):
+        if kind == "EmbeddingBagCollection":
+            build = functools.partial(EmbeddingBagCollection, tables=configs, is_weighted=child.is_weighted())
+        else:
+            build = functools.partial(EmbeddingCollection, tables=configs, need_indices=child.need_indices())
+        optimizers = {name: (param._optimizer_classes[0], dict(param._optimizer_kwargs[0]))
+                      for name, param in child.named_parameters() if getattr(param, "_optimizer_classes", None)}
+
+        def make(build: Any = build, optimizers: dict[str, tuple[type, dict]] = optimizers) -> nn.Module:
+            fresh = build(device=torch.device("meta"))
+            for name, param in fresh.named_parameters():
+                if name in optimizers:
+                    _apply_optimizer_in_backward(optimizers[name][0], [param], dict(optimizers[name][1]))
+            return fresh
+
+        twins[path] = make
+    return twins
 
 
 def fused_embedding_kernels(module: nn.Module) -> list[nn.Module]:

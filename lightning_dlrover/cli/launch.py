@@ -58,6 +58,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-zygote", dest="zygote", action="store_false", default=os.environ.get(NO_ZYGOTE_ENV) != "1",
                    help="start every worker as a fresh interpreter instead of forking it from a warm process that "
                         f"imported torch, TorchRec and Lightning once (spares are ready later); also ${NO_ZYGOTE_ENV}=1")
+    p.add_argument("--no-cold-start", dest="cold_start", action="store_false",
+                   help="with no hot spare left, a lost rank is not taken by a process started at the loss: the "
+                        "survivors shrink in process and train on at the smaller world size (one machine; parity "
+                        "needs k + r survivors, else every worker restarts)")
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py [args] (or -m module [args])")
     args = p.parse_args(argv)
     if args.program[:1] == ["--"]:

@@ -96,8 +96,12 @@ class DLRMDataModule(pl.LightningDataModule):
         return ResumableLoader(self._source(train), rank, world_size, self.hparams.global_batch_size)
 
     def train_dataloader(self) -> ResumableLoader:
-        """The rank's training loader; the same object across epochs so its position is checkpointed."""
-        if self._train_loader is None:
+        """The rank's training loader; the same object across epochs so its position is checkpointed, built anew when
+        the rank or world size changed (a shrink in process: the position is restored into the new one)."""
+        trainer = self.trainer
+        place = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        loader = self._train_loader
+        if loader is None or (getattr(loader, "rank", place[0]), getattr(loader, "world_size", place[1])) != place:
             self._train_loader = self._loader(train=True)
         return self._train_loader
 

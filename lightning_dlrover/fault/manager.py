@@ -47,6 +47,7 @@ from lightning_dlrover.fault.points import VERIFY_PARITY_ENV
 from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot, dense_buffers, replicated_tensors
 from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
 from lightning_dlrover.fault.restart.renumber import renumber_nodes
+from lightning_dlrover.fault.restart.reshard import restore as restore_spills
 from lightning_dlrover.fault.restart.resume import fall_back, restore_failed_job
 from lightning_dlrover.fault.restart.spill import (
     ProgressRecord,
@@ -81,6 +82,7 @@ class FaultManager(CommitProtocol):
         self._spill_dir: Path | None = None
         self._assignment: membership.Assignment | None = None  # the lost rank this process took, as a hot spare
         self._recovery: inplace.InProcessRecovery | None = None
+        self._left_behind = False
 
     # ------------------------------------------------------------------------------ launchers
     @staticmethod
@@ -254,6 +256,8 @@ class FaultManager(CommitProtocol):
     def on_exception(self, error: BaseException) -> None:
         """Spills this rank's committed state to shared memory for the restarted job (under ``torchrun``; with parity).
         The step in flight is rolled back first; a spill needs no other rank."""
+        if self._left_behind:  # a shrink in process failed half-way: its spills are written (write_left_behind)
+            return
         reason = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         if self._host is not None and self.coded is None and self.committed_step >= 0:
             emit("stopped", step=self.committed_step, reason=reason, spill="nothing (no parity)", spill_s=0.0,
@@ -356,6 +360,38 @@ class FaultManager(CommitProtocol):
         self._load_dense_state(host, report)
         self.committed_step, self._meta, self._in_flight = step, dict(report.meta), None
         assert self._dense is not None
+        self._dense.take()
+        self.recovered = self._announce_resume = True
+        return report
+
+    def leave_behind(self) -> list[Spill]:
+        """This rank's committed state as spills in memory (the step in flight rolled back; first its tentative state
+        when its vote broke), for :meth:`restore_in_place`: the restart path's spills, never written."""
+        ahead = self._tentative_spill()
+        return ([ahead] if ahead is not None else []) + [self._committed_spill()]
+
+    def write_left_behind(self, spills: list[Spill]) -> None:
+        """A shrink in process failed half-way: writes the spills :meth:`leave_behind` kept (the committed state from
+        before it) for the restart path; this rank spills nothing more when it stops."""
+        self._left_behind = True
+        for spill in spills if self._spill_dir is not None else []:
+            write_spill(self._spill_dir, spill)
+
+    def restore_in_place(self, host: Host, spills: list[Spill]) -> RecoveryReport:
+        """After a shrink in process sharded ``host.model`` anew for the smaller world: decodes the lost ranks and
+        re-shards every rank's committed state from the survivors' ``spills`` (the restart path's restore), encodes
+        parity for the new world and takes the dense snapshot of the new optimizers (collective). Raises
+        :class:`Unrecoverable` as the restart path's restore does."""
+        assert self.coded is not None and self.parity is not None
+        self.coded.state.close()
+        state = CodedState(host.model, self.parity.k)
+        report = restore_spills(state, spills)
+        if report is None or report.meta is None:
+            raise Unrecoverable("no survivor kept the committed trainer state", self.committed_step)
+        self._load_dense_state(host, report)
+        self.coded = self._encode(host, state, report)
+        self._dense = ReplicatedSnapshot(replicated_tensors(host.lightning_module, lambda: host.optimizers))
+        self.committed_step, self._meta, self._in_flight, self._voted = report.step, dict(report.meta), None, -1
         self._dense.take()
         self.recovered = self._announce_resume = True
         return report

@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
@@ -42,6 +41,7 @@ from lightning_dlrover.strategy import auto_parity, in_process, process_exit
 from lightning_dlrover.strategy.checkpointing import Checkpointing
 from lightning_dlrover.strategy.elastic_range import check_elastic_range
 from lightning_dlrover.strategy.launcher import validate_trainer_addons
+from lightning_dlrover.strategy.shard_model import shard
 from lightning_dlrover.strategy.sharding import (
     CPU_DEFAULT_SHARDING_TYPES,
     SHARDING_TYPES,
@@ -49,9 +49,6 @@ from lightning_dlrover.strategy.sharding import (
     build_constraints,
     check_module,
     check_options,
-    describe_plan,
-    distribute,
-    plan_sharding,
 )
 from lightning_dlrover.strategy.support import check_device, check_parity_optimizers, warn_unresumable_data
 
@@ -297,15 +294,7 @@ class DLRoverStrategy(DDPStrategy):
 
     def _shard(self, module: pl.LightningModule) -> DistributedModelParallel:
         """Plans the sharding of ``module``'s embedding tables and wraps it in ``DistributedModelParallel``."""
-        constraints = self.check_model(module, dist.get_backend())
-        # Dense parameters move to the device now; meta-device tables are materialised by their shards.
-        module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
-        plan = in_process.shared_plan(
-            self.fault, lambda: plan_sharding(module, constraints, self.root_device, local_world_size=self.num_processes),
-            self.global_rank,
-        )
-        self._dmp = distribute(module, plan, self.root_device, initialise=not self.fault.joining())
-        rank_zero_info(f"DLRoverStrategy: {describe_plan(plan)}")
+        self._dmp = shard(self, module)
         return self._dmp
 
     def training_state(self) -> dict[str, Any]:

@@ -57,17 +57,25 @@ PREFIX = "lightning_dlrover/"
 @dataclass(frozen=True)
 class Plan:
     """The recovery that starts communicator ``generation``: ranks ``lost`` and the spare taking each one
-    (``replacements[rank] = spare index``); ``reported_at`` is the launcher's clock when it saw the loss."""
+    (``replacements[rank] = spare index``); ``reported_at`` is the launcher's clock when it saw the loss.
+    ``world_size``: the world size of the new generation when it shrinks (no replacement: the survivors go on
+    without ``lost``, renumbered by :func:`~lightning_dlrover.fault.restart.renumber.survivor_ranks`), else ``None``."""
 
     generation: int
     lost: list[int]
     replacements: dict[int, int]
     reported_at: float
+    world_size: int | None = None
 
     @property
     def covered(self) -> bool:
         """Whether every lost rank has a replacement."""
         return all(rank in self.replacements for rank in self.lost)
+
+    @property
+    def shrinks(self) -> bool:
+        """Whether the survivors go on at a smaller world size without replacements."""
+        return self.world_size is not None
 
 
 @dataclass(frozen=True)
@@ -220,6 +228,15 @@ def publish_plan(store: Store, launch: int, lost: list[int], world_size: int, sp
     return plan
 
 
+def publish_shrink_plan(store: Store, launch: int, lost: list[int], world_size: int) -> Plan:
+    """Starts a new generation of launch ``launch`` in which the survivors of a world of ``world_size`` go on without
+    ``lost`` (no spare takes them) and publishes the plan for the survivors."""
+    generation = int(store.add(PREFIX + f"{launch}/generation", 1))
+    plan = Plan(generation, sorted(lost), {}, time.time(), world_size - len(set(lost)))
+    _set(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {}})
+    return plan
+
+
 def wait_for_plan(store: Store, launch: int, generation: int, timeout: float | None = None) -> Plan | None:
     """The plan that starts ``generation`` of launch ``launch``, or ``None`` if the launcher published none
     within ``timeout`` seconds."""
@@ -337,3 +354,15 @@ def mark_done(store: Store, launch: int, node: int) -> None:
 
 def is_done(store: Store, launch: int, node: int) -> bool:
     return store.check([PREFIX + f"{launch}/node/{node}/done"])
+
+
+def serve_store(address: str) -> tuple[TCPStore, socket.socket]:
+    """Hosts the job's store at ``host:port`` (binding that address only); the store serves on the returned
+    socket's descriptor, which must stay open as long as the store."""
+    host, _, port = address.rpartition(":")
+    sock = socket.socket()
+    sock.bind((host, int(port)))
+    sock.listen(256)
+    store = TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                     master_listen_fd=sock.fileno(), timeout=timedelta(seconds=60))
+    return store, sock

@@ -4,7 +4,15 @@ TorchRec's ``DistributedModelParallel`` keeps the world group in many places (``
 all-to-all modules, the sharding objects, DDP), so a lost rank cannot be replaced by handing them a new
 group. :class:`ReconfigurableGroup` is that world group for the job's whole life: every collective goes to
 an inner ``ProcessGroupGloo``, and :meth:`ReconfigurableGroup.reconfigure` swaps the inner group for one on
-a fresh store prefix (same rank and world size; a replacement process takes the lost rank's number).
+a fresh store prefix: with the same rank and world size when a replacement process takes the lost rank's number,
+or with a new rank and a smaller world size when the survivors go on without the lost ranks (a shrink).
+
+A shrink changes what the group reports from Python (``rank()``, ``size()``, and so ``dist.get_rank()``,
+``dist.get_world_size()``, TorchRec's ``ShardingEnv.from_process_group``) and torch's record of the world's ranks.
+The C++ ``ProcessGroup`` keeps the rank and size it was constructed with (``const`` members): C++ readers of them
+see the old values. C++ callers of the collectives reach the Python methods here, and an all-gather sized by the old
+world is cut to the live one (DDP's parameter check); DDP's reducer divides summed gradients by ``getSize()``, and
+:func:`divide_by_live_size` is the communication hook that divides by the live size instead.
 
 While a replacement process builds its trainer and model it is *joining*: its collectives are answered
 locally as if every rank held its own values (Lightning's set-up barriers and broadcasts, DDP's parameter
@@ -57,6 +65,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta,
                  joining: bool = False, generation: int = 0) -> None:
         super().__init__(rank, world_size)
+        self._rank, self._size = rank, world_size  # what Python sees (the C++ members are fixed at construction)
         self._store, self._timeout = store, timeout
         #: Full launches of the job before this one (the launcher's restarts): each has its own store keys.
         self.launch = restart_count()
@@ -76,15 +85,34 @@ class ReconfigurableGroup(dist.ProcessGroup):
         if self._name is not None:
             self._set_group_name(self._name)
 
-    def reconfigure(self, generation: int) -> float:
+    def reconfigure(self, generation: int, rank: int | None = None, world_size: int | None = None) -> float:
         """Replaces the inner gloo group by a new one for ``generation`` (collective over the new members:
-        blocks until every rank, the replacement included, has called it). Returns the seconds it took."""
+        blocks until every rank, the replacements included, has called it). Returns the seconds it took.
+
+        ``rank`` and ``world_size`` (default: unchanged) renumber this process in a smaller world: a shrink, where
+        the survivors go on without the lost ranks. Every member must pass the same ``world_size`` and a distinct
+        ``rank`` below it."""
         if generation <= self.generation:
             raise ValueError(f"generation {generation} is not newer than the current {self.generation}.")
+        rank = self._rank if rank is None else rank
+        world_size = self._size if world_size is None else world_size
+        if not 0 <= rank < world_size or world_size > self._size:
+            raise ValueError(f"rank {rank} of world size {world_size}: a reconfigured group keeps its world size or "
+                             f"shrinks it (now {self._size}), and each rank is below the new world size.")
         started = time.perf_counter()
         self._inner = None  # a failed peer's group is never used again
+        self._rank, self._size = rank, world_size
+        _record_world(self)
         self._connect(generation)
         return time.perf_counter() - started
+
+    def rank(self) -> int:
+        """This process's rank in the current generation."""
+        return self._rank
+
+    def size(self) -> int:
+        """The world size of the current generation."""
+        return self._size
 
     def getBackendName(self) -> str:
         return "gloo"  # what runs the collectives; torch and TorchRec pick CPU code paths by this name
@@ -127,12 +155,24 @@ class ReconfigurableGroup(dist.ProcessGroup):
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
+        outputs = self._live_slots(outputs, inputs)
         return self._call("allgather", lambda: _fill_all(outputs, inputs), outputs, inputs, opts)
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
+        outputs = self._live_slots(outputs, inputs)
         return self._call("allgather_coalesced", lambda: _fill_all(outputs, inputs), outputs, inputs, opts)
+
+    def _live_slots(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``outputs`` cut to the live world size. After a shrink, C++ callers (DDP's parameter check) size them by
+        the world size the group was constructed with; the slots past the live ranks get this rank's own values."""
+        if not outputs or len(outputs[0]) <= self._size:
+            return outputs
+        for slots, value in zip(outputs, inputs):
+            for extra in slots[self._size:]:
+                extra.copy_(value)
+        return [slots[: self._size] for slots in outputs]
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
@@ -168,6 +208,30 @@ class ReconfigurableGroup(dist.ProcessGroup):
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
         return self._call("recv_anysource", lambda: _refuse("recv"), tensors, tag)
+
+
+def _record_world(group: ReconfigurableGroup) -> None:
+    """Tells torch's record of the groups (global rank -> group rank) the world's new members, when ``group`` is
+    the default group: ``dist.get_process_group_ranks`` and DeviceMesh read it."""
+    c10d = dist.distributed_c10d
+    if c10d.GroupMember.WORLD is group:
+        c10d._world.pg_group_ranks[group] = {r: r for r in range(group.size())}
+
+
+def divide_by_live_size(group: ReconfigurableGroup, bucket: dist.GradBucket) -> Future:
+    """DDP's default gradient averaging (sum over the ranks, divided by their number) with the number of ranks
+    read from ``group`` now: after a shrink DDP's C++ reducer would divide by the world size the group was
+    constructed with. Register on a DDP module with ``ddp.register_comm_hook(group, divide_by_live_size)``.
+    It scales by ``1 / size`` before the sum, as the reducer does, so the gradients are bitwise the same."""
+    tensor = bucket.buffer()
+    tensor.mul_(1.0 / group.size())
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+# DDP checks a hook's annotations as objects; this module's are strings (``from __future__ import annotations``).
+divide_by_live_size.__annotations__.update(bucket=dist.GradBucket, group=ReconfigurableGroup,
+                                           **{"return": Future[torch.Tensor]})
 
 
 def _local_reduce(tensors: list[torch.Tensor], op: dist.ReduceOp, world_size: int) -> list[torch.Tensor]:

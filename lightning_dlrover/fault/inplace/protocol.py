@@ -18,6 +18,9 @@ the job. The sequence, on every rank:
 
 Anything that goes wrong on the way (no plan, a loss parity cannot cover, a second failure) raises the
 original error: the process leaves ``fit``, spills, and the launcher restarts every worker (today's path).
+
+With no spare and none wanted (``launch --spares 0 --no-cold-start``) the plan is a shrink: no replacement, and the
+survivors go on at the smaller world size in their own processes (:mod:`.shrink`; the strategy's ``shrinker`` does it).
 """
 
 from __future__ import annotations
@@ -26,16 +29,19 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dlrover.fault.host import Host
-from lightning_dlrover.fault.inplace import membership, priority
-from lightning_dlrover.fault.inplace.process_group import BACKEND, ReconfigurableGroup, register
+from lightning_dlrover.fault.inplace import membership, priority, shrink
+from lightning_dlrover.fault.inplace.process_group import BACKEND, ReconfigurableGroup, divide_by_live_size, register
 from lightning_dlrover.fault.report import RecoveryReport
+from lightning_dlrover.fault.restart.renumber import survivor_ranks
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor import emit
+from lightning_dlrover.torchrec_glue import dmp_wrapped_module
 from lightning_dlrover.worker_env import restart_count
 
 Plan = TypeVar("Plan")
@@ -46,11 +52,18 @@ class Rejoiner(Protocol):
     """What in-process recovery needs of the commit protocol (:class:`~lightning_dlrover.fault.FaultManager` is one)."""
 
     committed_step: int
+    parity: Any  # the ParityConfig, or None
 
     @property
     def has_committed_state(self) -> bool: ...
 
     def reach(self, phase: str, step: int) -> None: ...
+
+    def leave_behind(self) -> list[Any]: ...
+
+    def write_left_behind(self, spills: list[Any]) -> None: ...
+
+    def restore_in_place(self, host: Host, spills: list[Any]) -> RecoveryReport: ...
 
     def rejoin(self, host: Host, survivor: bool, lost: list[int]) -> RecoveryReport: ...
 
@@ -148,6 +161,10 @@ class InProcessRecovery:
         self._store = membership.connect() if membership.enabled() else None
         self._group = world_group()
         self._told = -1  # the last generation whose first commit this rank told the launcher
+        #: Set by the strategy: ``shrinker(rank, world_size)`` makes this survivor rank ``rank`` of ``world_size`` (its
+        #: environment, ranks and data) and shards its model anew for that world, with fresh optimizers; the
+        #: committed state is restored into it afterwards. ``None``: shrink plans are refused.
+        self.shrinker: Callable[[int, int], None] | None = None
 
     def committed(self, step: int) -> None:
         """After each commit: tells the launcher the first step committed in each generation of the world group
@@ -181,6 +198,8 @@ class InProcessRecovery:
         if host.global_rank in plan.lost:
             return None  # a rank the launcher believes dead must not come back as a survivor
         self.times.lost_at = plan.reported_at
+        if plan.shrinks:
+            return self._shrink(host, plan, group.size())
         if not membership.wait_for_replacements(self._store, restart_count(), plan):
             emit("in_process_refused", why="the replacement did not start in time", error=str(error)[:200],
                  message=f"rank {host.global_rank}: no replacement for ranks {plan.lost}: not recovering in process")
@@ -189,6 +208,46 @@ class InProcessRecovery:
         self.times.connected_at = time.time()
         self.manager.reach("during_recovery", self.manager.committed_step)
         return self._restore(host, survivor=True, lost=plan.lost)
+
+    def _shrink(self, host: Host, plan: membership.Plan, world_size: int) -> RecoveryReport | None:
+        """The survivors go on without ``plan.lost`` at ``plan.world_size`` ranks; ``None`` when refused (the caller
+        re-raises the original error; the launcher's restart path takes over)."""
+        parity = self.manager.parity
+        refused = shrink.refusal(world_size, plan.lost, (parity.k, parity.r) if parity is not None else None)
+        if refused is None and self.shrinker is None:
+            refused = shrink.NO_SHRINKER, "this strategy cannot re-shard its model in process"
+        if refused is not None:
+            if host.is_global_zero or host.global_rank == min(set(range(world_size)) - set(plan.lost)):
+                shrink.refuse(world_size, plan.lost, *refused, step=self.manager.committed_step)
+            return None
+        old_rank, group = host.global_rank, world_group()
+        assert group is not None and plan.world_size is not None
+        spills = self.manager.leave_behind()  # the restart path's spills, kept in memory
+        try:
+            rank = survivor_ranks(world_size, plan.lost)[old_rank]
+            group.reconfigure(plan.generation, rank=rank, world_size=plan.world_size)
+            self.times.connected_at = time.time()
+            self.manager.reach("during_recovery", self.manager.committed_step)
+            self.shrinker(rank, plan.world_size)
+            wrapped = dmp_wrapped_module(host.model)  # the dense part's DDP divides by the group's first size
+            if isinstance(wrapped, DistributedDataParallel):
+                wrapped.register_comm_hook(group, divide_by_live_size)
+            report = self.manager.restore_in_place(host, spills)
+        except Exception as err:  # noqa: BLE001 - half-way: the restart path takes over from the state before it
+            self.manager.write_left_behind(spills)
+            shrink.refuse(world_size, plan.lost, shrink.FAILED, f"it failed half-way on rank {old_rank} "
+                          f"({type(err).__name__}: {str(err)[:200]})", step=self.manager.committed_step)
+            return None
+        self.times.restored_at = time.time()
+        if self._store is not None:
+            membership.report_restored(self._store, restart_count(), plan.generation)
+        t = self.times
+        emit("shrunk_in_process", step=report.step, old_rank=old_rank, old_world_size=world_size,
+             world_size=plan.world_size, lost_ranks=plan.lost, decode_s=report.decode_s, reshard_s=report.reshard_s,
+             lost_at=t.lost_at, failed_at=t.failed_at, connected_at=t.connected_at, restored_at=t.restored_at,
+             message=f"shrunk in process from {world_size} to {plan.world_size} ranks without ranks {plan.lost} at step "
+             f"{report.step}; {report}" if host.is_global_zero else None)
+        return report
 
     def join(self, host: Host) -> RecoveryReport:
         """On a replacement, at the start of its fit loop: joins the survivors' generation of the world group

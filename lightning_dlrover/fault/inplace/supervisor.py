@@ -38,12 +38,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from torch.distributed import TCPStore
 
 from lightning_dlrover import worker_env
 from lightning_dlrover.fault.inplace import membership, priority, zygote
+from lightning_dlrover.fault.inplace.membership import serve_store  # noqa: F401 - (its home was here)
+from lightning_dlrover.fault.restart.renumber import survivor_ranks
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor.events import emit
 
@@ -67,6 +68,7 @@ class SupervisorConfig:
     node_timeout: float = 3.0  # seconds of silence after which machine 0 declares another machine lost
     settle: float = 0.1  # seconds to wait after a first failure for others that come with it
     zygote: bool = True  # fork workers from a warm process that imported the libraries once (:mod:`.zygote`)
+    cold_start: bool = True  # no spare left: a new process takes a lost rank (False: the survivors shrink, one machine)
 
 
 @dataclass
@@ -100,6 +102,7 @@ class Supervisor:
     _zygote: zygote.Zygote | None = None
     _zygote_state: str = "unstarted"  # unstarted | up | lost | off
     _reaped_at: float = 0.0
+    live_world: int = 0  # the world size now (smaller than ``world_size`` after a shrink in process)
 
     @property
     def world_size(self) -> int:
@@ -184,7 +187,7 @@ class Supervisor:
         first = a.node_rank * a.nproc_per_node
         for local in range(a.nproc_per_node):
             self.spawn(first + local, local)
-        self._owed, self._gate = a.spares, 0  # the hot spares start after the first committed step
+        self._owed, self._gate, self.live_world = a.spares, 0, self.world_size  # spares: after the first commit
         self.publish_ranks()
 
     def start_spares(self) -> None:
@@ -262,6 +265,8 @@ class Supervisor:
         slots = {rank: slot for rank, slot in self.device_slots(lost).items() if slot is not None}
         self.workers = [w for w in self.workers if w.rank not in lost]
         idle = [w for w in self.workers if w.rank is None and w.process.poll() is None]
+        if len(idle) < len(lost) and not self.args.cold_start and self.args.nnodes == 1:
+            return self.shrink(lost)
         replacements: dict[int, int] = {}
         cold: list[int] = []
         readiness: dict[str, str] = {}  # how far each replacement had got: waiting | forked | importing
@@ -287,6 +292,20 @@ class Supervisor:
              replacements={str(k): v for k, v in plan.replacements.items()}, cold=cold, readiness=readiness,
              message=f"generation {plan.generation}: ranks {plan.lost} replaced by spares {plan.replacements}"
              + (f" (started cold for ranks {cold})" if cold else ""))
+        return plan.generation
+
+    def shrink(self, lost: list[int]) -> int:
+        """No spare for ``lost``, none to start: the survivors go on without them (:mod:`.shrink`); the generation."""
+        numbers = survivor_ranks(self.live_world, lost)
+        plan = membership.publish_shrink_plan(self.store, self.restarts, lost, self.live_world)
+        for w in [w for w in self.workers if w.rank is not None]:
+            w.rank = numbers[w.rank]
+            membership.publish_worker(self.store, self.restarts, w.rank, socket.gethostname(), w.process.pid)
+        self.live_world = len(numbers)
+        self.publish_ranks()
+        emit("shrink_planned", generation=plan.generation, lost_ranks=plan.lost, world_size=self.live_world,
+             pids={str(w.rank): w.process.pid for w in self.workers if w.rank is not None},
+             message=f"generation {plan.generation}: ranks {plan.lost} lost, no spare: shrinking to {len(numbers)} ranks")
         return plan.generation
 
     def watch_machines(self, adopt: bool = True) -> list[int]:
@@ -341,8 +360,7 @@ class Supervisor:
                    for n in range(1, self.args.nnodes))
 
     def run(self) -> int:
-        """Watches the workers (and, on machine 0, the other machines) until every rank finished; returns the
-        job's exit code."""
+        """Watches the workers (and, on machine 0, the other machines) until every rank finished; its exit code."""
         self.start()
         recovering: int | None = None  # generation of the recovery in progress
         while True:
@@ -351,7 +369,7 @@ class Supervisor:
                 self.workers.remove(spare)  # a dead spare only shrinks the pool
             self.watch_zygote()
             self.start_spares()
-            if recovering is not None and membership.restored_ranks(self.store, self.restarts, recovering) >= self.world_size:
+            if recovering is not None and membership.restored_ranks(self.store, self.restarts, recovering) >= self.live_world:
                 recovering = None
             failed = self.failed_ranks() + self.watch_machines(adopt=not self._finished)
             if failed:
@@ -360,7 +378,7 @@ class Supervisor:
                     time.sleep(self.args.settle)
                     failed = sorted({*failed, *self.failed_ranks()})
                 # ranks on other machines survive unless their own launcher says otherwise: this one sees only its own
-                survivors = self.world_size - len(failed)
+                survivors = self.live_world - len(failed)
                 shared: dict[int, int] = {}
                 if survivors > 0 and not recent and not self.args.no_in_process:
                     if not (shared := self.shared_devices(failed)):
@@ -390,15 +408,3 @@ class Supervisor:
                 self._finished = True
                 if self.args.node_rank != 0 or self.others_finished():  # machine 0 keeps the store up till the end
                     return 0
-
-
-def serve_store(address: str) -> tuple[TCPStore, socket.socket]:
-    """Hosts the job's store at ``host:port`` (binding that address only); the store serves on the returned
-    socket's descriptor, which must stay open as long as the store."""
-    host, _, port = address.rpartition(":")
-    sock = socket.socket()
-    sock.bind((host, int(port)))
-    sock.listen(256)
-    store = TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                     master_listen_fd=sock.fileno(), timeout=timedelta(seconds=60))
-    return store, sock

@@ -72,3 +72,13 @@ def renumber_nodes(directory: Path | None, node_rank: int, local_rank: int, loca
                             rank=rank, world_size=world, timeout=timeout)
     os.environ.update(RANK=str(rank), GROUP_RANK=str(new_node), ROLE_RANK=str(rank))
     return new_node
+
+
+def survivor_ranks(world_size: int, lost: list[int]) -> dict[int, int]:
+    """``{old rank: new rank}`` of the ranks left when ``lost`` leave a world of ``world_size``: the survivors keep
+    their order and close the gaps (what a restarted job at the smaller size numbers them, node by node, when each
+    node keeps its order)."""
+    gone = set(lost)
+    if not gone <= set(range(world_size)):
+        raise ValueError(f"lost ranks {sorted(gone)} are not all ranks of a world of {world_size}.")
+    return {old: new for new, old in enumerate(r for r in range(world_size) if r not in gone)}

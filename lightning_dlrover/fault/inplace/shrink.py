@@ -1,0 +1,86 @@
+"""Shrink in process: a rank lost with no spare (and none wanted) leaves the survivors training at ``N - 1``.
+
+The restart path already shrinks (``torchrun --nnodes MIN:MAX``: survivors spill, every worker restarts at the
+smaller size and decodes and re-shards from the spills, :mod:`lightning_dlrover.fault.restart`). In process, the
+survivors do the same work without leaving their processes:
+
+1. the launcher (``launch --spares 0 --no-cold-start``, one machine) publishes a
+   :class:`~lightning_dlrover.fault.inplace.membership.Plan` with no replacement and a smaller ``world_size``
+   (``shrink_planned``); the survivors take the ranks :func:`~lightning_dlrover.fault.restart.renumber.survivor_ranks`
+   gives them (in order, gaps closed: what the restarted job numbers them);
+2. each survivor checks that the shrink can run (:func:`refusal`): below ``k + r`` ranks the parity of the smaller
+   world cannot be placed, and a shrink the advisor's memory forecast says would not fit must not be tried; a
+   refused shrink emits ``shrink_refused`` and raises the original error, and the launcher's restart path takes over;
+3. each survivor keeps its committed state as the restart path's spills, in memory (``FaultManager.leave_behind``),
+   and the world group is reconfigured to the new generation with the new rank and world size
+   (:meth:`~lightning_dlrover.fault.inplace.process_group.ReconfigurableGroup.reconfigure`);
+4. the strategy's ``shrinker`` renumbers the process (environment, Lightning's ranks, the data loader) and shards the
+   model anew for the smaller world, with fresh optimizers (``strategy/in_process.py``, ``strategy/shard_model.py``);
+   DDP's average is set to the live world size;
+5. ``FaultManager.restore_in_place`` decodes the lost ranks and re-shards every rank's committed state from the
+   spills (the restart path's :func:`~lightning_dlrover.fault.restart.reshard.restore`), encodes parity for the new
+   group, and the fit loop resumes at the committed step with the same global batch (``shrunk_in_process``).
+
+A shrink that fails half-way writes the spills it kept (the state before it) and raises the original error
+(``shrink_refused`` with ``why`` ``failed``): the launcher restarts every worker and they restore from the spills.
+
+Not built: the strategy passes no memory forecast (``would_not_fit`` is checked when one is given), a shrink across
+several machines (the launcher shrinks only a one-machine job), and ``ElasticBatchScaler``'s batch rule.
+
+Why not TorchRec's ``DistributedModelParallel.reshard`` (``torchrec/distributed/sharding/dynamic_sharding.py``, 1.8):
+it moves shards between the ranks of a fixed world. Its communication (``prepare_comm_ops``) is sized by the
+sharded module's ``env.world_size`` and sends each moved shard from the rank that holds it; a lost rank holds
+nothing (its shards come from the parity decode), and the sharded modules' input and output all-to-alls keep the
+old world size. The shrink therefore rebuilds the sharded modules for the new plan and fills them from the decoded
+state (the restart path's :func:`~lightning_dlrover.fault.restart.reshard.restore`, fed by the survivors' spills
+kept in memory: its tested code, without writing the files).
+"""
+
+from __future__ import annotations
+
+from lightning_dlrover.fault.restart.renumber import survivor_ranks
+from lightning_dlrover.monitor import emit
+
+#: ``why`` values of the ``shrink_refused`` event.
+BELOW_PARITY = "below_parity"
+WOULD_NOT_FIT = "would_not_fit"
+NO_PARITY = "no_parity"
+NO_SHRINKER = "no_shrinker"  # the strategy cannot re-shard its model in process
+FAILED = "failed"  # the shrink failed half-way: the survivors wrote the spills of the committed state and stop
+
+
+def refusal(world_size: int, lost: list[int], parity: tuple[int, int] | None, moved_bytes: float = 0.0,
+            headroom_bytes: float | None = None) -> tuple[str, str] | None:
+    """Why the ``world_size - len(lost)`` survivors cannot go on in process without ``lost``: ``(why, message)``, or
+    ``None`` when they can.
+
+    Args:
+        world_size: ranks before the loss.
+        lost: the lost ranks.
+        parity: the job's ``(k, r)``; ``None`` without parity (nothing to decode the lost shards from).
+        moved_bytes: the lost ranks' embedding and optimizer state, spread over the survivors by the shrink.
+        headroom_bytes: what one survivor can still allocate by the advisor's memory forecast (limit, less the
+            memory now and the next checkpoint's staging); ``None`` without a forecast.
+    """
+    survivors = len(survivor_ranks(world_size, lost))
+    if parity is None:
+        return NO_PARITY, ("the job has no parity, so the lost ranks' shards cannot be decoded: pass "
+                           "DLRoverStrategy(parity=ParityConfig(...)) to shrink in process")
+    k, r = parity
+    if survivors < k + r:
+        return BELOW_PARITY, (f"{survivors} survivors are fewer than k + r = {k + r} ranks, which the parity of the "
+                              f"smaller world needs (k={k}, r={r}): lower k, or keep a spare (launch --spares 1)")
+    share = moved_bytes / max(survivors, 1)
+    if headroom_bytes is not None and share > headroom_bytes:
+        return WOULD_NOT_FIT, (f"each survivor would take {share / 2**20:.1f} MiB of the lost ranks' state and the "
+                               f"advisor's memory forecast leaves it {headroom_bytes / 2**20:.1f} MiB: keep a spare "
+                               "(launch --spares 1) or give the ranks more memory")
+    return None
+
+
+def refuse(world_size: int, lost: list[int], why: str, message: str, step: int | None = None) -> None:
+    """Says (``shrink_refused``) that the survivors of ``lost`` do not shrink in process, and why: the launcher's
+    restart path takes over."""
+    emit("shrink_refused", step=step, why=why, world_size=world_size, lost_ranks=sorted(lost),
+         message=f"not shrinking in process to {world_size - len(lost)} ranks without ranks {sorted(lost)}: {message}; "
+         "restarting every worker instead")

@@ -1,0 +1,49 @@
+"""Sharding the LightningModule's tables for the world the strategy runs in (moved out of ``dlrover.py``, which is at
+the size limit): at set-up, and again at a smaller world size after a shrink in process (:mod:`.in_process`)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torchrec.distributed import DistributedModelParallel
+
+from lightning_dlrover import torchrec_glue
+from lightning_dlrover.strategy.sharding import describe_plan, distribute, plan_sharding
+
+if TYPE_CHECKING:
+    from lightning_dlrover.strategy.dlrover import DLRoverStrategy
+
+#: Per strategy, the unsharded twins of its module's embedding collections (``torchrec_glue.unsharded_twins``), read
+#: before the first sharding: a shrink in process puts them back and shards again for the smaller world.
+_twins: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def shard(strategy: DLRoverStrategy, module: pl.LightningModule, initialise: bool = True) -> DistributedModelParallel:
+    """Plans the sharding of ``module``'s embedding tables for the current world and wraps it in TorchRec's
+    ``DistributedModelParallel`` (``initialise=False``, or on a replacement: tables left for a restore to fill)."""
+    constraints = strategy.check_model(module, dist.get_backend())
+    if strategy not in _twins:
+        _twins[strategy] = torchrec_glue.unsharded_twins(module)
+    # Dense parameters move to the device now; meta-device tables are materialised by their shards.
+    module._apply(lambda t: t if t.is_meta else t.to(strategy.root_device))
+    # The plan is kept in the launcher's store for replacements, which read it instead (the survivors are not running
+    # the planner's collective); DistributedModelParallel's constructor broadcasts TorchRec's collective-validation
+    # flag from rank 0 once per process, and the survivors are not listening: a replacement keeps the default (off).
+    plan = strategy.fault.shared_plan(
+        lambda: plan_sharding(module, constraints, strategy.root_device, local_world_size=strategy.num_processes),
+        strategy.global_rank, torchrec_glue.skip_collective_validation_broadcast,
+    )
+    dmp = distribute(module, plan, strategy.root_device, initialise=initialise and not strategy.fault.joining())
+    rank_zero_info(f"DLRoverStrategy: {describe_plan(plan)}")
+    return dmp
+
+
+def unshard(strategy: DLRoverStrategy, module: pl.LightningModule) -> None:
+    """Puts unsharded twins (meta device, same tables and in-backward optimizers) in place of ``module``'s sharded
+    embedding collections, to shard them again for another world."""
+    for path, make in _twins[strategy].items():
+        module.set_submodule(path, make())
