@@ -38,12 +38,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from torch.distributed import TCPStore
 
 from lightning_dlrover import worker_env
-from lightning_dlrover.fault.inplace import membership, priority, zygote
+from lightning_dlrover.fault.inplace import membership, priority, process_group, zygote
+from lightning_dlrover.fault.inplace.store import serve_store  # noqa: F401  (imported from here by cli/ and tests)
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor.events import emit
 
@@ -255,10 +255,13 @@ class Supervisor:
             return {}
         return {rank: rank % self.args.nproc_per_node for rank, slot in self.device_slots(lost).items() if slot is None}
 
-    def replace(self, lost: list[int]) -> int:
+    def replace(self, lost: list[int]) -> int | None:
         """Hands the ``lost`` ranks (this machine's dead workers' or a lost machine's) to this machine's spares
         (the oldest first; a new process where none is left), publishes the recovery plan for the survivors and
-        refills the pool of hot spares; returns its generation."""
+        refills the pool of hot spares; returns its generation (``None``: they were started again, see below)."""
+        dead = [w for w in self.workers if w.rank in lost and w.process.poll() is not None]
+        if len(dead) == len(lost) and not any(process_group.started(self.store, self.restarts, r) for r in lost):
+            return self.start_again(lost)
         slots = {rank: slot for rank, slot in self.device_slots(lost).items() if slot is not None}
         self.workers = [w for w in self.workers if w.rank not in lost]
         idle = [w for w in self.workers if w.rank is None and w.process.poll() is None]
@@ -288,6 +291,15 @@ class Supervisor:
              message=f"generation {plan.generation}: ranks {plan.lost} replaced by spares {plan.replacements}"
              + (f" (started cold for ranks {cold})" if cold else ""))
         return plan.generation
+
+    def start_again(self, lost: list[int]) -> None:
+        """Starts this machine's ``lost`` ranks again as themselves: they were lost before their process group, where
+        the others wait for them (a replacement would join a generation those ranks never connect)."""
+        self.workers = [w for w in self.workers if w.rank not in lost]
+        for rank in sorted(lost):
+            self.spawn(rank, rank % self.args.nproc_per_node)
+        emit("rank_started_again", ranks=sorted(lost), message=f"ranks {sorted(lost)} were lost before their process "
+             "group started: starting them again (the other ranks wait for them there)")
 
     def watch_machines(self, adopt: bool = True) -> list[int]:
         """Beats this machine's counter; on machine 0, returns the ranks of machines whose launcher went silent
@@ -391,14 +403,3 @@ class Supervisor:
                 if self.args.node_rank != 0 or self.others_finished():  # machine 0 keeps the store up till the end
                     return 0
 
-
-def serve_store(address: str) -> tuple[TCPStore, socket.socket]:
-    """Hosts the job's store at ``host:port`` (binding that address only); the store serves on the returned
-    socket's descriptor, which must stay open as long as the store."""
-    host, _, port = address.rpartition(":")
-    sock = socket.socket()
-    sock.bind((host, int(port)))
-    sock.listen(256)
-    store = TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                     master_listen_fd=sock.fileno(), timeout=timedelta(seconds=60))
-    return store, sock
