@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from lightning_dlrover.cli.chaos import DEFAULT_CONFIG
+from lightning_dlrover.monitor.events import read_events
 
 MODES = {
     "launch, parity k1 r1, hot spares (in process)": ["--in-process"],
@@ -68,7 +69,25 @@ def drill(mode: list[str], seed: int, args: argparse.Namespace, config: Path, wo
                               env=env).returncode
     if not out.is_file():
         sys.exit(f"the drill {' '.join(command)} wrote no report (exit {code}); see {workdir / f'seed{seed}.log'}")
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), **breakdown(workdir / "faulted" / "events.jsonl")}
+
+
+def breakdown(events_file: Path) -> dict:
+    """Where a drill's time went, from its events: the recoveries (each kill to the next ``resumed``), the hot spares'
+    set-up (``spares_started`` to each spare's ``spare_ready``: at idle priority beside the training ranks), and the
+    replacements' readiness at each kill."""
+    events = read_events([events_file]) if events_file.is_file() else []
+    kills = [e.time for e in events if e.kind == "fault_injected"]
+    resumed = [e.time for e in events if e.kind == "resumed"]
+    recoveries = [min((r for r in resumed if r > k), default=k) - k for k in kills]
+    ready = sorted(e.time for e in events if e.kind == "spare_ready")
+    setups = []
+    for started in (e for e in events if e.kind == "spares_started"):
+        ends = [t for t in ready if t >= started.time][:len(started.fields["spares"])]
+        setups += [t - started.time for t in ends]
+    readiness = [v for e in events if e.kind == "replacement_planned" for v in e.fields.get("readiness", {}).values()]
+    return {"recovery_s": [round(x, 2) for x in recoveries], "spare_setup_s": [round(x, 2) for x in setups],
+            "readiness": readiness}
 
 
 def span(values: list[float], fmt: str) -> str:
@@ -112,7 +131,8 @@ def main() -> None:
             print(f"{name}, seed {seed}: wall {facts['wall_s']}, fault-free wall {facts['fault_free_wall_s']}, goodput "
                   f"{facts['goodput']}, kills landed {facts['kills_landed']}, recoveries {facts['recoveries']}, steps "
                   f"lost {facts['steps_lost']}, digest match {facts['digest_match']}, load {load:.1f} -> "
-                  f"{facts['load'][1]:.1f}", flush=True)
+                  f"{facts['load'][1]:.1f}; kill to resumed {facts['recovery_s']} s (readiness {facts['readiness']}), "
+                  f"spares' set-up {facts['spare_setup_s']} s", flush=True)
     (root / "results.json").write_text(json.dumps(results, indent=1))
     torchrun = results[list(MODES)[2]][0]["fault_free_wall_s"] if list(MODES)[2] in results else None
     print(f"\n{args.steps} steps, a checkpoint every {args.every}, {args.kills} kills at U(0, {args.jitter}) s after a "

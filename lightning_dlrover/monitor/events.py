@@ -61,13 +61,16 @@ KINDS: dict[str, tuple[str, ...]] = {
     # replacement had got}: "waiting" (a spare set up, waiting for a rank: hot), "forked" (forked from the launcher's
     # warm zygote: libraries imported, its program still setting up), "importing" (a fresh interpreter, still starting)
     "replacement_planned": ("generation", "lost_ranks", "replacements", "cold", "readiness"),
+    "rank_started_again": ("ranks",),  # lost before their process group (the others wait for them): started again
     # a launcher started hot spares (spare indices, their pids) after generation's first committed step (step), at
     # "idle" (SCHED_IDLE) or "normal" CPU priority (the message says why once); forked: from the warm zygote
     "spares_started": ("spares", "pids", "generation", "priority", "forked"),
     # the launcher's zygote (fault/inplace/zygote.py) imported `preloaded` (`failed`: {module: error}) in import_s
     "zygote_ready": ("zygote_pid", "import_s", "preloaded", "failed"),
     "zygote_lost": ("why",),  # the zygote cannot fork any more: later workers start as fresh interpreters
-    "spare_ready": ("spare",),  # a hot spare finished starting (imports) and waits for a rank to take
+    # a hot spare waits for a rank to take: one forked from the zygote right after the fork, before its program runs
+    # (it sets up once it holds a rank); one started as a fresh interpreter after its imports and program set-up
+    "spare_ready": ("spare",),
     "recovered_in_process": ("survivor", "lost_ranks", "decode_s", "reshard_s", "lost_at", "failed_at",
                              "connected_at", "restored_at"),  # every rank; times are Unix seconds
     "in_process_refused": ("why", "error"),

@@ -2,8 +2,9 @@
 priority (``SCHED_IDLE``), and trains at normal priority once it takes a lost rank.
 
 The supervisor runs for real (its store, its worker processes); the rank is a plain ``python -c`` sleep and the spare
-runs the real spare side (:func:`lightning_dlrover.fault.inplace.protocol.take_rank_if_spare`), writing its threads'
-scheduling policies to a file before and after it is handed a rank.
+runs the real spare side (:func:`lightning_dlrover.fault.inplace.protocol.take_rank_if_spare`). A spare forked from the
+zygote waits before its program runs: its waiting priority is read from ``/proc``; once handed a rank, its program
+writes its threads' scheduling policies to a file.
 """
 
 import dataclasses
@@ -81,18 +82,23 @@ def test_a_spare_starts_after_the_first_commit_waits_idle_and_trains_at_normal_p
     assert started.step == 1 and started.fields["pids"] == [spare.process.pid]
     refused = priority.can_restore()
     assert started.fields["priority"] == ("normal" if refused else "idle"), refused
-    waiting = wait_for(tmp_path / "spare.waiting")
+    # a spare forked from the zygote waits before its program runs (fault/inplace/spare.py): seen from outside
+    deadline = time.monotonic() + 120
+    while not membership.is_waiting(supervisor.store, 0, spare.spare):
+        assert time.monotonic() < deadline and spare.process.poll() is None, "the spare never reached its wait"
+        time.sleep(0.05)
+    pid = spare.process.pid
     if refused is None:
-        assert waiting == [os.SCHED_IDLE]
+        assert {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")} == {os.SCHED_IDLE}
+    # in a session of its own, as every worker: SCHED_IDLE ranks it only inside its session's autogroup, so the
+    # group itself waits at the lowest weight and trains at the ranks' (where the kernel has autogroups)
+    assert os.getsid(pid) == pid
+    waiting_group = priority.group_nice(pid)
     supervisor.replace([0])  # the rank is "lost": the spare takes it
     promoted = wait_for(tmp_path / "spare.promoted")
     assert promoted["rank"] == 0 and promoted["policies"] == [os.SCHED_OTHER], promoted
-    # in a session of its own, as every worker: SCHED_IDLE ranks it only inside its session's autogroup, so the
-    # group itself waits at the lowest weight and trains at the ranks' (where the kernel has autogroups)
-    group = wait_for(tmp_path / "spare.group")
-    assert group["sid"] == spare.process.pid
-    if group["waiting"] is not None:
-        assert group["waiting"] == priority.IDLE_GROUP_NICE
+    if waiting_group is not None:
+        assert waiting_group == priority.IDLE_GROUP_NICE
         assert wait_for(tmp_path / "spare.group_promoted") == 0
     assert spare.process.wait(timeout=60) == 0
     # the spare that refills the pool waits for the recovered generation's first commit
@@ -141,8 +147,9 @@ def test_a_spare_handed_a_rank_while_still_starting_finishes_its_start_at_normal
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     store, sock = serve_store(f"127.0.0.1:{port}")
+    # (a spare started as a fresh interpreter: one forked from the zygote waits before its program, see test_spare_wait)
     config = SupervisorConfig(program=["-c", STILL_STARTING, str(tmp_path / "spare")], nproc_per_node=1, spares=1,
-                              master=f"127.0.0.1:{port}")
+                              master=f"127.0.0.1:{port}", zygote=False)
     machine = Supervisor(config, store, "test-still-starting")
     try:
         machine.start()

@@ -118,7 +118,8 @@ def test_a_rank_lost_right_after_the_spares_were_requested_goes_to_a_spare_with_
     (planned,) = [e for e in events if e.kind == "replacement_planned"]
     forked = supervisor.args.zygote
     assert started.fields["forked"] is forked and planned.fields["cold"] == []
-    assert planned.fields["readiness"] == {"0": "forked" if forked else "importing"}, planned.fields
+    # (a forked spare waits right after the fork, before its program: it may be waiting already)
+    assert planned.fields["readiness"]["0"] in (("forked", "waiting") if forked else ("importing",)), planned.fields
     got = wait_for(tmp_path / "spare.json")
     assert got["rank"] == 0 and got["torch"] is forked and got["ppid"] == os.getpid(), got
     (spare,) = [w for w in supervisor.workers if w.rank == 0]

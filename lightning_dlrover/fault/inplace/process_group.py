@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.worker_env import restart_count
 
 BACKEND = "dlrover_gloo"
@@ -77,6 +78,8 @@ class ReconfigurableGroup(dist.ProcessGroup):
 
     def _connect(self, generation: int) -> None:
         store = dist.PrefixStore(f"dlrover_pg/{self.launch}/{generation}/", self._store)
+        if generation > 0:  # (generation 0: the ranks of a launch waited for each other in ``register``)
+            await_members(self._store, self.launch, generation, self.rank(), self.size())
         inner = dist.ProcessGroupGloo(store, self.rank(), self.size(), self._timeout)
         self._inner, self.generation = inner, generation
         # The group's name lives in its backends (DeviceMesh looks the world group up by name); C++ callers that
@@ -234,6 +237,40 @@ divide_by_live_size.__annotations__.update(bucket=dist.GradBucket, group=Reconfi
                                            **{"return": Future[torch.Tensor]})
 
 
+def await_members(store: dist.Store, launch: int, generation: int, rank: int, world_size: int,
+                  timeout: float | None = None) -> None:
+    """Says ``rank`` connects ``generation`` of the world group and waits until every rank does, up to ``timeout``
+    seconds (default ``$LIGHTNING_DLROVER_START_TIMEOUT``, 600). gloo's own wait for its peers is the job's collective
+    timeout (20 s in the chaos job), too short for a peer that is still on its way: a replacement still setting up, a
+    survivor that has not yet seen its collective fail (a slow step, a save) on a loaded machine. Raises
+    ``RuntimeError`` naming the missing ranks."""
+    timeout = timeout if timeout is not None else float(os.environ.get(membership.START_TIMEOUT_ENV, "600"))
+    keys = [f"dlrover_connecting/{launch}/{generation}/{r}" for r in range(world_size)]
+    store.set(keys[rank], str(os.getpid()))
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception as err:  # noqa: BLE001 - the store raises on timeout
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(
+            f"rank {rank}: ranks {missing} did not connect generation {generation} of the world group within "
+            f"{timeout:.0f} s; look at their output (if they were only slow, raise "
+            f"${membership.START_TIMEOUT_ENV})."
+        ) from err
+
+
+def mark_started(store: dist.Store, launch: int, rank: int) -> None:
+    """Tells the launcher (``store``: its store) that ``rank`` of launch ``launch`` reached its process group (see
+    :func:`started`)."""
+    store.set(membership.PREFIX + f"{launch}/group_started/{rank}", str(os.getpid()))
+
+
+def started(store: dist.Store, launch: int, rank: int) -> bool:
+    """Whether ``rank`` of launch ``launch`` reached its process group. A rank lost before then is started again as
+    that rank (the others wait for it in their own start), not replaced by a joining process (they would never
+    connect the generation it joins)."""
+    return store.check([membership.PREFIX + f"{launch}/group_started/{rank}"])
+
+
 def _local_reduce(tensors: list[torch.Tensor], op: dist.ReduceOp, world_size: int) -> list[torch.Tensor]:
     """A reduction over ``world_size`` ranks that all hold these values."""
     if op == dist.ReduceOp.SUM:
@@ -262,14 +299,13 @@ def register() -> None:
         return
 
     def create(options: Any, _backend_options: Any) -> ReconfigurableGroup:
-        from lightning_dlrover.fault.inplace import membership
-
         joining = membership.is_joining()
         generation = int(os.environ.get(membership.GENERATION_ENV, "0")) if joining else 0
         # the gloo mesh below waits for its peers only the collective timeout: wait for them to start first
         if joining:
             membership.wait_for_fellow_replacements(restart_count(), generation)
         else:
+            mark_started(membership.connect(), restart_count(), options.group_rank)
             membership.wait_for_ranks(options.store, restart_count(), options.group_rank, options.group_size)
         group = ReconfigurableGroup(options.store, options.group_rank, options.group_size, options.timeout,
                                     joining=joining, generation=generation)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dlrover.fault.host import Host
-from lightning_dlrover.fault.inplace import membership, priority, shrink
+from lightning_dlrover.fault.inplace import membership, shrink, spare
 from lightning_dlrover.fault.inplace.process_group import BACKEND, ReconfigurableGroup, divide_by_live_size, register
 from lightning_dlrover.fault.report import RecoveryReport
 from lightning_dlrover.fault.restart.renumber import survivor_ranks
@@ -142,10 +142,7 @@ def take_rank_if_spare() -> membership.Assignment | None:
     if not index:
         return None
     store = membership.connect()
-    emit("spare_ready", spare=int(index), message=f"hot spare {index} started and waits for a rank")
-    assignment = membership.wait_for_assignment(store, restart_count(), int(index))
-    if (refused := priority.restore()) is not None:  # the launcher started it at the lowest CPU priority
-        log.warning(f"the spare taking rank {assignment.rank} keeps the lowest CPU priority: {refused}")
+    assignment = spare.take_rank(store, int(index))  # (a spare forked from the zygote took it before its program ran)
     membership.become(assignment)
     membership.announce_ready(store, restart_count(), assignment)
     return assignment

@@ -42,43 +42,14 @@ from dataclasses import dataclass, field
 from torch.distributed import TCPStore
 
 from lightning_dlrover import worker_env
-from lightning_dlrover.fault.inplace import membership, priority, zygote
-from lightning_dlrover.fault.inplace.membership import serve_store  # noqa: F401 - (its home was here)
+from lightning_dlrover.fault.inplace import membership, priority, process_group, zygote
+from lightning_dlrover.fault.inplace.store import serve_store  # noqa: F401  (imported from here by cli/ and tests)
+from lightning_dlrover.fault.inplace.workers import SupervisorConfig, Worker
 from lightning_dlrover.fault.restart.renumber import survivor_ranks
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor.events import emit
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class SupervisorConfig:
-    """What a machine's supervisor is told (``lightning-dlrover launch``'s options)."""
-
-    program: list[str]  # the worker's command line after the interpreter: ``script.py [args]`` or ``-m module [args]``
-    nnodes: int = 1  # machines in the job
-    node_rank: int = 0  # this machine's index (0 hosts the store)
-    nproc_per_node: int = 1  # ranks on this machine
-    spares: int = 1  # hot spares kept on this machine
-    master: str = "127.0.0.1:29500"  # host:port of the store (on machine 0)
-    max_restarts: int = 3  # full restarts when in-process recovery fails
-    stop_grace: float = 30.0  # seconds between SIGTERM and SIGKILL on a full restart
-    no_in_process: bool = False  # restart every worker on any failure, like torchrun
-    monitor_interval: float = 0.05  # seconds between checks of the workers
-    node_timeout: float = 3.0  # seconds of silence after which machine 0 declares another machine lost
-    settle: float = 0.1  # seconds to wait after a first failure for others that come with it
-    zygote: bool = True  # fork workers from a warm process that imported the libraries once (:mod:`.zygote`)
-    cold_start: bool = True  # no spare left: a new process takes a lost rank (False: the survivors shrink, one machine)
-
-
-@dataclass
-class Worker:
-    """A worker process and the rank it holds (``None`` for an unassigned spare)."""
-
-    process: subprocess.Popen | zygote.ForkedProcess
-    rank: int | None
-    spare: int | None = None
-    forked: bool = False  # forked from the zygote (the libraries imported) rather than started as a fresh interpreter
 
 
 @dataclass
@@ -258,10 +229,13 @@ class Supervisor:
             return {}
         return {rank: rank % self.args.nproc_per_node for rank, slot in self.device_slots(lost).items() if slot is None}
 
-    def replace(self, lost: list[int]) -> int:
+    def replace(self, lost: list[int]) -> int | None:
         """Hands the ``lost`` ranks (this machine's dead workers' or a lost machine's) to this machine's spares
         (the oldest first; a new process where none is left), publishes the recovery plan for the survivors and
-        refills the pool of hot spares; returns its generation."""
+        refills the pool of hot spares; returns its generation (``None``: they were started again, see below)."""
+        dead = [w for w in self.workers if w.rank in lost and w.process.poll() is not None]
+        if len(dead) == len(lost) and not any(process_group.started(self.store, self.restarts, r) for r in lost):
+            return self.start_again(lost)
         slots = {rank: slot for rank, slot in self.device_slots(lost).items() if slot is not None}
         self.workers = [w for w in self.workers if w.rank not in lost]
         idle = [w for w in self.workers if w.rank is None and w.process.poll() is None]
@@ -307,6 +281,15 @@ class Supervisor:
              pids={str(w.rank): w.process.pid for w in self.workers if w.rank is not None},
              message=f"generation {plan.generation}: ranks {plan.lost} lost, no spare: shrinking to {len(numbers)} ranks")
         return plan.generation
+
+    def start_again(self, lost: list[int]) -> None:
+        """Starts this machine's ``lost`` ranks again as themselves: they were lost before their process group, where
+        the others wait for them (a replacement would join a generation those ranks never connect)."""
+        self.workers = [w for w in self.workers if w.rank not in lost]
+        for rank in sorted(lost):
+            self.spawn(rank, rank % self.args.nproc_per_node)
+        emit("rank_started_again", ranks=sorted(lost), message=f"ranks {sorted(lost)} were lost before their process "
+             "group started: starting them again (the other ranks wait for them there)")
 
     def watch_machines(self, adopt: bool = True) -> list[int]:
         """Beats this machine's counter; on machine 0, returns the ranks of machines whose launcher went silent
@@ -408,3 +391,4 @@ class Supervisor:
                 self._finished = True
                 if self.args.node_rank != 0 or self.others_finished():  # machine 0 keeps the store up till the end
                     return 0
+

@@ -5,7 +5,9 @@ A worker started as a fresh ``python <program>`` imports torch, TorchRec and Lig
 waiting. The launcher instead starts one helper per machine that imports those libraries once (:data:`PRELOAD`) and
 then waits for requests; each worker (rank, hot spare or replacement) is ``os.fork()``\\ ed from it and runs the user's
 program (``runpy``, as ``__main__``) with the environment, ``sys.argv``, session and parent-death signal that
-:meth:`~lightning_dlrover.fault.inplace.supervisor.Supervisor.spawn` gives an ``exec``\\ ed worker.
+:meth:`~lightning_dlrover.fault.inplace.supervisor.Supervisor.spawn` gives an ``exec``\\ ed worker. A hot spare
+first waits for a rank, right after the fork and before any of its program runs (:mod:`.spare`): waiting costs nothing,
+and its program starts as the rank it takes.
 
 **Why forking after the imports is safe here.** ``fork`` copies only the calling thread, so a lock another thread held
 at the fork stays locked forever in the child. The zygote runs no thread of its own, imports nothing that starts a
@@ -322,8 +324,14 @@ def _become(request: dict[str, Any]) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
+    _reread_rank()
+
+
+def _reread_rank() -> None:
+    """Sets Lightning's ``rank_zero_only.rank`` from this process's environment (Lightning reads it when it is
+    imported: in the zygote, with no rank)."""
     rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")
-    if rank_zero is not None:  # Lightning reads the rank from the environment when it is imported (in the zygote)
+    if rank_zero is not None:
         rank = next((os.environ[k] for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
                      if k in os.environ), "0")
         rank_zero.rank_zero_only.rank = int(rank)
@@ -354,4 +362,8 @@ def main() -> None:
     fd, launcher = int(sys.argv[1]), int(sys.argv[2])
     request = serve(socket.socket(fileno=fd), launcher)
     _become(request)
+    from lightning_dlrover.fault.inplace import spare
+
+    if spare.wait_before_program() is not None:  # a hot spare waits here, before its program: see .spare
+        _reread_rank()
     _run(request["program"])
