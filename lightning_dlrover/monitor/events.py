@@ -68,6 +68,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     "zygote_ready": ("zygote_pid", "import_s", "preloaded", "failed"),
     "zygote_lost": ("why",),  # the zygote cannot fork any more: later workers start as fresh interpreters
     "spare_ready": ("spare",),  # a hot spare finished starting (imports) and waits for a rank to take
+    # a replacement that was a hot spare, once it joined: the memory it faulted in while it waited (reserved_bytes,
+    # in prepare_s), what of it its tables and parity share took (taken_bytes) and what did not fit (refused_bytes)
+    "reserve_used": ("reserved_bytes", "prepare_s", "taken_bytes", "refused_bytes"),
     "recovered_in_process": ("survivor", "lost_ranks", "decode_s", "reshard_s", "lost_at", "failed_at",
                              "connected_at", "restored_at"),  # every rank; times are Unix seconds
     "in_process_refused": ("why", "error"),

@@ -30,6 +30,7 @@ from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
+from lightning_dlrover.fault.coding import reserve
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.inplace import membership, priority
 from lightning_dlrover.fault.inplace.process_group import BACKEND, ReconfigurableGroup, register
@@ -129,6 +130,7 @@ def take_rank_if_spare() -> membership.Assignment | None:
     if not index:
         return None
     store = membership.connect()
+    reserve.prepare(store, restart_count())  # faults in the memory a replacement's state will take
     emit("spare_ready", spare=int(index), message=f"hot spare {index} started and waits for a rank")
     assignment = membership.wait_for_assignment(store, restart_count(), int(index))
     if (refused := priority.restore()) is not None:  # the launcher started it at the lowest CPU priority
