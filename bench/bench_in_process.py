@@ -157,6 +157,11 @@ def main() -> None:
                         help="rows per table of the drill whose total is the part that does not grow with the state "
                         "(0: none, no 'state part')")
     args = parser.parse_args()
+    # The jobs run in their own directories: a relative PYTHONPATH (``PYTHONPATH=.``) would not reach this checkout
+    # there, and they would import whichever lightning_dlrover the interpreter has installed instead.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent)]
+        + [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     print(f"load average at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     table = []
     with tempfile.TemporaryDirectory(prefix="bench_in_process_") as tmp:
