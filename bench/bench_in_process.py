@@ -22,9 +22,11 @@ method's.
 
 The floor, measured in the same run for each size (two processes, gloo on 127.0.0.1): the
 bytes the replacement receives (the lost rank's coded embedding state and its parity share, from the job's own
-report) sent and received into fresh memory (``send``), and copied in memory into fresh memory (``copy``). ``state
+report) sent and received into fresh memory (``send``), the same again into memory already touched (``warm``: what a
+hot spare's reserve is, ``fault/coding/reserve.py``), and copied in memory into fresh memory (``copy``). ``state
 part`` is the in-process total less the same drill's total at ``--base-rows`` (the part that does not grow with the
-state); ``/ floor`` is it over ``send``.
+state); ``/ floor`` is it over ``send``, ``/ warm`` over ``warm``. The load average (``uptime``'s) is printed at
+the start and at the end: other jobs on the machine move every number.
 
     PYTHONPATH=. python bench/bench_in_process.py                # 20k rows per table (127 MiB), ~4 min
     PYTHONPATH=. python bench/bench_in_process.py --rows 100000  # 635 MiB
@@ -59,24 +61,30 @@ rank, port, nbytes, piece = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), 64 
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 if rank == 1:
     data = torch.full((nbytes,), 7, dtype=torch.uint8)  # the survivors' bytes, in memory
-    dist.barrier()
-    for lo in range(0, nbytes, piece):
-        dist.send(data[lo : lo + piece], 0)
+    for _ in range(2):
+        dist.barrier()
+        for lo in range(0, nbytes, piece):
+            dist.send(data[lo : lo + piece], 0)
     dist.barrier()
 else:
     dist.barrier()
     started = time.perf_counter()
-    into = torch.empty(nbytes, dtype=torch.uint8)  # fresh memory, as a replacement's
+    into = torch.empty(nbytes, dtype=torch.uint8)  # fresh memory, as a replacement's without a reserve
     for lo in range(0, nbytes, piece):
         dist.recv(into[lo : lo + piece], 1)
     send = time.perf_counter() - started
+    dist.barrier()
+    started = time.perf_counter()
+    for lo in range(0, nbytes, piece):  # again, into memory already touched (a hot spare's reserve)
+        dist.recv(into[lo : lo + piece], 1)
+    warm = time.perf_counter() - started
     dist.barrier()
     assert int(into[-1]) == 7
     del into
     source = torch.full((nbytes,), 7, dtype=torch.uint8)
     started = time.perf_counter()
     torch.empty(nbytes, dtype=torch.uint8).copy_(source)
-    print(json.dumps({"send": send, "copy": time.perf_counter() - started}))
+    print(json.dumps({"send": send, "send_warm": warm, "copy": time.perf_counter() - started}))
 dist.destroy_process_group()
 """
 
@@ -118,7 +126,10 @@ def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int, 
                 "restore": restored - connected, "first_step": resumed - restored, "total": resumed - kill}
     joiner = next(e for e in recovered if not e.fields["survivor"])
     coded = _CODED.search((run_dir / "launch.log").read_text())
+    reserve = next((e.fields for e in events if e.kind == "reserve_used"), None)  # a hot spare's, before the loss
     return {
+        "reserve_taken_mib": reserve["taken_bytes"] / 2**20 if reserve else 0.0,
+        "reserve_prepare_s": reserve["prepare_s"] if reserve else 0.0,
         "lost_bytes": (float(coded[1]) + float(coded[2])) * 2**20 if coded else float("nan"),
         "detect": failed - kill,
         "replacement": joiner.fields["connected_at"] - failed,
@@ -157,6 +168,12 @@ def main() -> None:
                         help="rows per table of the drill whose total is the part that does not grow with the state "
                         "(0: none, no 'state part')")
     args = parser.parse_args()
+    # The jobs run in their own directories: a relative PYTHONPATH (``PYTHONPATH=.``) would not reach this checkout
+    # there, and they would import whichever lightning_dlrover the interpreter has installed instead.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent)]
+        + [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    print(f"load average at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     table = []
     with tempfile.TemporaryDirectory(prefix="bench_in_process_") as tmp:
         base = None
@@ -192,9 +209,11 @@ def main() -> None:
           "the restore (decode + re-shard for parity, the checkpoint load for dcp).")
     base = base or {"total": float("nan")}
     print(f"\nThe floor beside each size: the bytes the replacement receives (its coded state and parity share) sent "
-          f"over loopback gloo into fresh memory ('send') and copied in memory ('copy'). 'state part' is the in-process "
+          f"over loopback gloo into fresh memory ('send'), into memory already touched ('warm'), and copied in memory "
+          f"('copy'). 'state part' is the in-process "
           f"hot total less the total at {args.base_rows} rows ({base['total']:.2f} s).")
-    header = (f"{'emb MiB':>8} {'lost MiB':>9} {'total':>7} {'state part':>11} {'send':>7} {'copy':>7} {'/ floor':>8} "
+    header = (f"{'emb MiB':>8} {'lost MiB':>9} {'total':>7} {'state part':>11} {'send':>7} {'warm':>6} {'copy':>7} "
+              f"{'/ floor':>8} {'/ warm':>7} "
               f"{'dcp':>7} {'x dcp':>6}")
     print(header)
     print("-" * len(header))
@@ -205,8 +224,10 @@ def main() -> None:
         part = hot["total"] - base["total"]
         dcp_total = dcp["total"] if dcp else float("nan")
         print(f"{26 * rows * args.dim * 4 / 2**20:>8.0f} {hot['lost_bytes'] / 2**20:>9.0f} {hot['total']:>7.2f} "
-              f"{part:>11.2f} {bottom['send']:>7.2f} {bottom['copy']:>7.2f} {part / bottom['send']:>8.1f} "
+              f"{part:>11.2f} {bottom['send']:>7.2f} {bottom['send_warm']:>6.2f} {bottom['copy']:>7.2f} "
+              f"{part / bottom['send']:>8.1f} {part / bottom['send_warm']:>7.1f} "
               f"{dcp_total:>7.2f} {dcp_total / hot['total']:>6.1f}")
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ API only) that the job signature, the sharding checks and the re-plan advice sha
 - :func:`uninitialised_tables`: TorchRec initialises a sharded table twice as it builds it (its batched kernel's
   ``init_parameters``, then the sharded collection's ``reset_parameters`` with the table's ``init_fn``) and has no
   option to skip either; a replacement whose tables the decode overwrites sets both aside while it shards.
+- :func:`shard_metadata_from_plan`: ``ShardedEmbeddingCollection`` builds its tables' ``ShardedTensor`` by
+  all-gathering every rank's shard metadata (``ShardedTensor._init_from_local_shards``), which a replacement that
+  builds its model alone cannot run; ``ShardedEmbeddingBagCollection`` already builds it from the plan.
 
 This module sits at the bottom of the package, at its root beside :mod:`lightning_dlrover.worker_env` and
 :mod:`lightning_dlrover.lightning_glue`, and imports nothing from the package: imports only point down, and
@@ -35,7 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -270,18 +274,30 @@ def skip_collective_validation_broadcast() -> None:
     collective_utils._INITIALIZED = True
 
 
+#: FBGEMM's host buffers that hold coded state (a table's weights and optimizer states; see
+#: ``lightning_dlrover.fault.coding.coded_state``): what a replacement's decode overwrites, row by row.
+CODED_HOST_BUFFERS = ("weights", "momentum1", "momentum2")
+
+
 @contextlib.contextmanager
-def uninitialised_tables() -> Iterator[None]:
+def uninitialised_tables(host_buffer: Callable[[int, Any], Tensor | None] | None = None) -> Iterator[None]:
     """Within it, the ``DistributedModelParallel`` this process builds leaves its sharded tables' storage as allocated
     (not initialised): for a process whose tables are about to be overwritten (a replacement decoding a lost rank's
     shards), initialising them is time spent in proportion to the state for nothing. The tables' ``init_fn`` and the
-    kernels' uniform initialisation are not called; anything else is built as usual.
+    kernels' uniform initialisation are not called, and FBGEMM's host buffers of :data:`CODED_HOST_BUFFERS` are not
+    zeroed: each is ``host_buffer(numel, dtype)`` (e.g. memory a hot spare touched while it waited), or fresh
+    ``torch.empty`` memory where that is ``None`` or returns ``None``. Anything else is built as usual.
 
     Private reach: TorchRec calls the batched kernels' ``init_parameters`` (``BaseBatchedEmbedding``,
     ``BaseBatchedEmbeddingBag``) from their constructors and the sharded collections' ``reset_parameters``
     (``ShardedEmbeddingCollection``, ``ShardedEmbeddingBagCollection``) from theirs, with no option to skip them; they
-    are replaced by no-ops on the classes while the context is open (one process, one thread builds the model).
+    are replaced by no-ops on the classes while the context is open. FBGEMM's TBE allocates its host buffers zeroed in
+    its module's ``apply_split_helper``, which takes a ``preallocated_host_buffer``; TorchRec passes none (its option,
+    ``preallocated_host_buffers``, is one dict for every kernel built from the same fused parameters), so the helper is
+    wrapped to pass one (one process, one thread builds the model).
     """
+    import torch
+    from fbgemm_gpu import split_table_batched_embeddings_ops_training as tbe
     from torchrec.distributed import batched_embedding_kernel as kernels
     from torchrec.distributed.embedding import ShardedEmbeddingCollection
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
@@ -289,13 +305,94 @@ def uninitialised_tables() -> Iterator[None]:
     def nothing(self: Any) -> None:
         return None
 
+    split_helper = tbe.apply_split_helper
+    signature = inspect.signature(split_helper)
+
+    def uninitialised_split(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)
+        given = call.arguments
+        split, device = given["split"], given["current_device"]
+        if (given["prefix"] in CODED_HOST_BUFFERS and split.host_size > 0 and device.type == "cpu"
+                and given.get("preallocated_host_buffer") is None):
+            buffer = host_buffer(split.host_size, given["dtype"]) if host_buffer is not None else None
+            given["preallocated_host_buffer"] = (
+                buffer if buffer is not None else torch.empty(split.host_size, dtype=given["dtype"], device=device)
+            )
+        return split_helper(*call.args, **call.kwargs)
+
     classes = [(kernels.BaseBatchedEmbedding, "init_parameters"), (kernels.BaseBatchedEmbeddingBag, "init_parameters"),
                (ShardedEmbeddingCollection, "reset_parameters"), (ShardedEmbeddingBagCollection, "reset_parameters")]
     saved = [(cls, name, cls.__dict__[name]) for cls, name in classes]
     for cls, name, _ in saved:
         setattr(cls, name, nothing)
+    tbe.apply_split_helper = uninitialised_split
     try:
         yield
     finally:
+        tbe.apply_split_helper = split_helper
         for cls, name, original in saved:
             setattr(cls, name, original)
+
+
+@contextlib.contextmanager
+def shard_metadata_from_plan() -> Iterator[None]:
+    """Within it, the ``ShardedEmbeddingCollection`` modules this process builds take each table's global shard
+    metadata from their sharding plan instead of gathering it from every rank: the build runs no collective, as a
+    replacement building its model while the survivors train needs (its world group answers collectives locally,
+    which would leave a table it does not hold with no shards anywhere: "ShardedTensor have no local shards on all
+    ranks!"). The metadata is the gather's: the plan's shards, in rank order, with the local shards' tensor properties.
+
+    Private reach: ``ShardedEmbeddingCollection._initialize_torch_state`` calls torch's
+    ``ShardedTensor._init_from_local_shards`` (a collective) once per table with the list it keeps in
+    ``_model_parallel_name_to_local_shards``; while it runs, that classmethod is replaced by one that builds the
+    metadata from the table's ``sharding_spec`` (as ``ShardedEmbeddingBagCollection`` does, with no gather). One
+    process, one thread builds the model.
+    """
+    import torch
+    from torch.distributed._shard.sharded_tensor import ShardedTensor, TensorProperties
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.modules.embedding_configs import data_type_to_dtype
+
+    gather = ShardedTensor.__dict__["_init_from_local_shards"]
+    build = ShardedEmbeddingCollection.__dict__["_initialize_torch_state"]
+
+    def from_plan(module: Any, cls: type, local_shards: list[Any], *global_size: Any, process_group: Any = None,
+                  init_rrefs: bool = False) -> Any:
+        table = next((name for name, shards in module._model_parallel_name_to_local_shards.items()
+                      if shards is local_shards), None)
+        spec = getattr(module.module_sharding_plan.get(table), "sharding_spec", None) if table is not None else None
+        sizes = global_size[0] if len(global_size) == 1 and not isinstance(global_size[0], int) else global_size
+        if spec is None or None in tuple(sizes) or module._table_name_to_config[table].use_virtual_table:
+            return gather.__func__(cls, local_shards, *global_size, process_group=process_group, init_rrefs=init_rrefs)
+        if local_shards:  # the gather takes them from the first local shard of the lowest rank holding any
+            t = local_shards[0].tensor
+            properties = TensorProperties(t.dtype, t.layout, t.requires_grad, torch.contiguous_format, t.is_pinned())
+        else:  # the other ranks' shards, built by the same kernels: the table's dtype, no gradient
+            properties = TensorProperties(dtype=data_type_to_dtype(module._table_name_to_config[table].data_type))
+        metadata = spec.build_metadata(torch.Size(sizes), properties)
+        # the gather's order, by rank (stable); a new list: the plan's spec keeps its own
+        metadata.shards_metadata = sorted(metadata.shards_metadata, key=lambda m: m.placement.rank())
+        rank = torch.distributed.get_rank()  # global, as torch's own check
+        planned = [(m.shard_offsets, m.shard_sizes) for m in metadata.shards_metadata if m.placement.rank() == rank]
+        built = [(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in local_shards]
+        if planned != built:
+            raise RuntimeError(
+                f"table {table}: the shards this rank built ({built}) are not the plan's ({planned}); this TorchRec "
+                "version's ShardedEmbeddingCollection builds its shards unlike its plan, and "
+                "lightning_dlrover.torchrec_glue.shard_metadata_from_plan needs updating for it."
+            )
+        return cls._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=process_group,
+                                                               init_rrefs=init_rrefs)
+
+    def initialize_torch_state(self: Any, *args: Any, **kwargs: Any) -> None:
+        ShardedTensor._init_from_local_shards = classmethod(functools.partial(from_plan, self))
+        try:
+            return build(self, *args, **kwargs)
+        finally:
+            ShardedTensor._init_from_local_shards = gather
+
+    ShardedEmbeddingCollection._initialize_torch_state = initialize_torch_state
+    try:
+        yield
+    finally:
+        ShardedEmbeddingCollection._initialize_torch_state = build

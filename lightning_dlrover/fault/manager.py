@@ -35,6 +35,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from lightning_dlrover import control_plane
 from lightning_dlrover.fault import rank_state
+from lightning_dlrover.fault.coding import reserve
 from lightning_dlrover.fault.coding.coded_embeddings import CodedEmbeddings
 from lightning_dlrover.fault.coding.coded_state import CodedState
 from lightning_dlrover.fault.coding.placement import ParityConfig, ParityPlacement
@@ -59,7 +60,7 @@ from lightning_dlrover.fault.restart.spill import (
 )
 from lightning_dlrover.log import get_logger, rank_zero_report
 from lightning_dlrover.monitor import StepTimer, emit
-from lightning_dlrover.worker_env import under_torchrun
+from lightning_dlrover.worker_env import restart_count, under_torchrun
 
 log = get_logger(__name__)
 
@@ -124,6 +125,12 @@ class FaultManager(CommitProtocol):
         return ensure_private_dir(directory) if create and directory is not None else directory
 
     @staticmethod
+    def reserved(numel: int, dtype: torch.dtype) -> Tensor | None:
+        """On a replacement that was a hot spare: ``numel`` elements of memory it faulted in while it waited (for a
+        table buffer the decode fills), ``None`` when it kept none or they do not fit (see :mod:`.coding.reserve`)."""
+        return reserve.take(numel, dtype)
+
+    @staticmethod
     def joining() -> bool:
         """Whether this process replaces a lost rank and has not joined the survivors yet."""
         return inplace.joining()
@@ -171,6 +178,8 @@ class FaultManager(CommitProtocol):
             report, reason = self._restore(host, state)
         if state is not None:
             self.coded = self._encode(host, state, report)
+            if membership.enabled():  # the memory a hot spare faults in for a replacement of this rank
+                reserve.publish(membership.connect(), restart_count(), reserve.needed(host.model, self.coded.parity))
         resume = report.meta if report is not None else None
         if reason is not None:
             resume = fall_back(host, reason)
@@ -354,6 +363,7 @@ class FaultManager(CommitProtocol):
         self._voted = -1
         started = time.perf_counter()
         self.coded.recover(sorted(lost))  # rolls back, decodes the lost ranks in place, re-encodes their parity
+        reserve.release()
         self.coded.committed_step = step
         report = RecoveryReport(step, host.world_size, sorted(lost), time.perf_counter() - started, 0.0, meta,
                                 rank_states)

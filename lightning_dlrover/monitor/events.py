@@ -71,6 +71,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     # a hot spare waits for a rank to take: one forked from the zygote right after the fork, before its program runs
     # (it sets up once it holds a rank); one started as a fresh interpreter after its imports and program set-up
     "spare_ready": ("spare",),
+    # a replacement that was a hot spare, once it joined: the memory it faulted in while it waited (reserved_bytes,
+    # in prepare_s), what of it its tables and parity share took (taken_bytes) and what did not fit (refused_bytes)
+    "reserve_used": ("reserved_bytes", "prepare_s", "taken_bytes", "refused_bytes"),
     "recovered_in_process": ("survivor", "lost_ranks", "decode_s", "reshard_s", "lost_at", "failed_at",
                              "connected_at", "restored_at"),  # every rank; times are Unix seconds
     "in_process_refused": ("why", "error"),

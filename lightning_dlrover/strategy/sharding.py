@@ -21,6 +21,7 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan, ShardingType
 
 from lightning_dlrover import torchrec_glue
+from lightning_dlrover.fault import FaultManager
 
 SHARDING_TYPES = [t.value for t in ShardingType]
 COMPUTE_KERNELS = [k.value for k in EmbeddingComputeKernel]
@@ -239,10 +240,15 @@ def distribute(
     module: nn.Module, plan: ShardingPlan, device: torch.device, buckets: str = "find_unused", initialise: bool = True
 ) -> DistributedModelParallel:
     """``module`` wrapped in TorchRec's ``DistributedModelParallel`` on the world process group, sharded by ``plan``,
-    its dense part in DDP with the bucket policy ``buckets`` (one of :data:`DDP_BUCKETS`). ``initialise=False``: the
-    sharded tables are allocated and left uninitialised (a replacement, whose tables the decode fills, see
-    :func:`~lightning_dlrover.torchrec_glue.uninitialised_tables`)."""
-    with contextlib.nullcontext() if initialise else torchrec_glue.uninitialised_tables():
+    its dense part in DDP with the bucket policy ``buckets`` (one of :data:`DDP_BUCKETS`). ``initialise=False``: built
+    by a replacement joining a running job, alone: the sharded tables are allocated and left uninitialised (the decode
+    fills them, see :func:`~lightning_dlrover.torchrec_glue.uninitialised_tables`), and their shard metadata comes from
+    ``plan``, not from a gather the survivors would not answer (see
+    :func:`~lightning_dlrover.torchrec_glue.shard_metadata_from_plan`)."""
+    with contextlib.ExitStack() as joining:
+        if not initialise:
+            joining.enter_context(torchrec_glue.uninitialised_tables(host_buffer=FaultManager.reserved))
+            joining.enter_context(torchrec_glue.shard_metadata_from_plan())
         return DistributedModelParallel(
             module=module,
             env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),

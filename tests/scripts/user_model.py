@@ -86,9 +86,12 @@ class ClickStream(IterableDataset):
 
 
 def logged_init(path: str, weight: torch.Tensor) -> torch.Tensor:
-    """A table's ``init_fn`` that appends this process's id to ``path`` (which processes initialised tables)."""
-    with open(path, "a") as log:
-        log.write(f"{os.getpid()}\n")
+    """A table's ``init_fn`` that appends this process's id to ``path`` (which processes initialised tables). A call on
+    a ``meta`` tensor initialises nothing (``EmbeddingCollection``'s constructor calls it on its meta tables) and is not
+    logged."""
+    if not weight.is_meta:
+        with open(path, "a") as log:
+            log.write(f"{os.getpid()}\n")
     return torch.nn.init.uniform_(weight, -0.05, 0.05)
 
 

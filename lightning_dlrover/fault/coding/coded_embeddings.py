@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dlrover import control_plane
+from lightning_dlrover.fault.coding import reserve
 from lightning_dlrover.fault.coding.coded_state import INT_OF_SIZE, CodedState
 from lightning_dlrover.fault.coding.decode import Combination, Term, combine, decode_combinations, layout_spans
 from lightning_dlrover.fault.coding.messages import Mailbox, align
@@ -69,8 +70,10 @@ class CodedEmbeddings:
         # Untested on GPU: parity and pinned mailbox buffers for shards on a CUDA device.
         # Without ``encode`` the caller's encode() / recover() / adopt() writes every byte of it: not zeroed first (a
         # replacement's parity share is as large as its state; zeroing it cost 0.2-0.3 s at 160 MiB per rank here).
-        self.parity = (torch.zeros if encode else torch.empty)(placement.r, state.chunk_len, dtype=torch.uint8,
-                                                                device=state.device)
+        # A hot spare's reserve (faulted in while it waited) holds a replacement's share when it has room.
+        held = reserve.take(placement.r * state.chunk_len, torch.uint8) if not encode and state.device.type == "cpu" else None
+        self.parity = held.view(placement.r, state.chunk_len) if held is not None else (
+            (torch.zeros if encode else torch.empty)(placement.r, state.chunk_len, dtype=torch.uint8, device=state.device))
         self._staging = Staging(state.device)
         #: The C kernels and plain memory copies on buffer addresses (shards in host memory), else torch operations.
         self._native = self._staging.on_host

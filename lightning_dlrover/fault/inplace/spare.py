@@ -32,6 +32,7 @@ import os
 
 from torch.distributed import Store
 
+from lightning_dlrover.fault.coding import reserve
 from lightning_dlrover.fault.inplace import membership, priority
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor import emit
@@ -49,6 +50,7 @@ _taken: membership.Assignment | None = None  # the rank this process took before
 def wait_for_rank(store: Store, index: int) -> membership.Assignment:
     """Says spare ``index`` waits (``spare_ready``), blocks until the launcher hands it a lost rank, and puts this
     process back at the ranks' CPU priority; returns the assignment."""
+    reserve.prepare(store, restart_count())  # faults in the memory a replacement's state will take (off the recovery)
     emit("spare_ready", spare=index, message=f"hot spare {index} started and waits for a rank")
     assignment = membership.wait_for_assignment(store, restart_count(), index)
     if (refused := priority.restore()) is not None:  # the launcher started it at the lowest CPU priority
