@@ -136,10 +136,18 @@ def _set(store: Store, key: str, value: object) -> None:
 
 def wait_for_ranks(store: Store, launch: int, rank: int, world_size: int, timeout: float | None = None) -> None:
     """Marks ``rank`` of launch ``launch`` started in ``store`` (a process group's own) and waits until every one
-    of the ``world_size`` ranks is; raises ``RuntimeError`` naming the missing ranks after ``timeout`` seconds
-    (default ``$LIGHTNING_DLROVER_START_TIMEOUT``, 600)."""
+    of the ``world_size`` ranks is (:func:`meet`)."""
+    meet(store, f"dlrover_started/{launch}", rank, world_size, timeout, "start their process group",
+         "(each imports torch, Lightning and TorchRec first, which a loaded machine slows down)")
+
+
+def meet(store: Store, prefix: str, rank: int, world_size: int, timeout: float | None, what: str,
+         why_slow: str = "") -> None:
+    """Marks ``rank`` at ``prefix`` in ``store`` and waits until all ``world_size`` ranks are, up to ``timeout`` seconds
+    (default ``$LIGHTNING_DLROVER_START_TIMEOUT``, 600); raises ``RuntimeError`` naming the ranks that did not
+    ``what`` in time."""
     timeout = timeout if timeout is not None else float(os.environ.get(START_TIMEOUT_ENV, "600"))
-    keys = [f"dlrover_started/{launch}/{r}" for r in range(world_size)]
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
     store.set(keys[rank], str(os.getpid()))
     started = time.monotonic()
     try:
@@ -147,10 +155,9 @@ def wait_for_ranks(store: Store, launch: int, rank: int, world_size: int, timeou
     except Exception as err:  # noqa: BLE001 - the store raises on timeout
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         raise RuntimeError(
-            f"rank {rank}: ranks {missing} of {world_size} did not start their process group within "
-            f"{time.monotonic() - started:.0f} s (each imports torch, Lightning and TorchRec first, which a loaded "
-            f"machine slows down). Look at those ranks' output; if they were only slow, raise ${START_TIMEOUT_ENV} "
-            f"(now {timeout:.0f} s)."
+            f"rank {rank}: ranks {missing} of {world_size} did not {what} within {time.monotonic() - started:.0f} s"
+            f"{' ' + why_slow if why_slow else ''}. Look at those ranks' output; if they were only slow, raise "
+            f"${START_TIMEOUT_ENV} (now {timeout:.0f} s)."
         ) from err
 
 

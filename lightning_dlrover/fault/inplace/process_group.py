@@ -244,18 +244,8 @@ def await_members(store: dist.Store, launch: int, generation: int, rank: int, wo
     timeout (20 s in the chaos job), too short for a peer that is still on its way: a replacement still setting up, a
     survivor that has not yet seen its collective fail (a slow step, a save) on a loaded machine. Raises
     ``RuntimeError`` naming the missing ranks."""
-    timeout = timeout if timeout is not None else float(os.environ.get(membership.START_TIMEOUT_ENV, "600"))
-    keys = [f"dlrover_connecting/{launch}/{generation}/{r}" for r in range(world_size)]
-    store.set(keys[rank], str(os.getpid()))
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except Exception as err:  # noqa: BLE001 - the store raises on timeout
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise RuntimeError(
-            f"rank {rank}: ranks {missing} did not connect generation {generation} of the world group within "
-            f"{timeout:.0f} s; look at their output (if they were only slow, raise "
-            f"${membership.START_TIMEOUT_ENV})."
-        ) from err
+    membership.meet(store, f"dlrover_connecting/{launch}/{generation}", rank, world_size, timeout,
+                    f"connect generation {generation} of the world group")
 
 
 def mark_started(store: dist.Store, launch: int, rank: int) -> None:
