@@ -23,10 +23,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,7 @@ from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.fault.inplace import protocol as inplace
 from lightning_dlrover.fault.inplace.agree import agree_on_step
+from lightning_dlrover.fault.launcher_facts import LauncherFacts
 from lightning_dlrover.fault.points import VERIFY_PARITY_ENV
 from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot, dense_buffers, replicated_tensors
 from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
@@ -54,7 +54,6 @@ from lightning_dlrover.fault.restart.spill import (
     ProgressRecord,
     Spill,
     UnsafeSpillDir,
-    ensure_private_dir,
     spill_dir,
     write_spill,
 )
@@ -64,10 +63,8 @@ from lightning_dlrover.worker_env import restart_count, under_torchrun
 
 log = get_logger(__name__)
 
-Plan = TypeVar("Plan")
 
-
-class FaultManager(CommitProtocol):
+class FaultManager(CommitProtocol, LauncherFacts):
     """The fault tolerance of one training job: the per-step commit (:class:`CommitProtocol`), the launchers'
     hooks, spill, restore, fallback, in-process recovery and their events (see the module docs).
 
@@ -86,22 +83,6 @@ class FaultManager(CommitProtocol):
         self._left_behind = False
 
     # ------------------------------------------------------------------------------ launchers
-    @staticmethod
-    def process_group_backend(requested: str | None) -> str | None:
-        """The backend for ``init_process_group``: a reconfigurable gloo group under ``lightning-dlrover launch``
-        (``ValueError`` there for any other backend)."""
-        return inplace.process_group_backend(requested)
-
-    @staticmethod
-    def under_launch() -> bool:
-        """Whether this process runs under ``lightning-dlrover launch`` (in-process recovery on)."""
-        return membership.enabled()
-
-    @staticmethod
-    def transport(backend: str) -> str:
-        """The backend that carries ``backend``'s collectives (``gloo`` for the reconfigurable group)."""
-        return inplace.transport(backend)
-
     def before_process_group(self, device_type: str = "cpu") -> None:
         """On a hot spare: blocks until the launcher hands it a lost rank and becomes that rank's worker. Under
         ``lightning-dlrover launch`` a rank on a device other than the CPU tells the launcher (replacements then
@@ -116,29 +97,6 @@ class FaultManager(CommitProtocol):
         if self.parity is None or not under_torchrun() or membership.enabled():
             return None
         return renumber_nodes(spill_dir(), node_rank, local_rank, local_world_size, timeout)
-
-    @staticmethod
-    def node_dir(create: bool = False) -> Path | None:
-        """This node's private directory of the run (its spill directory: it outlives a restart of every worker), made
-        if ``create``; ``None`` outside a launcher without ``$LIGHTNING_DLROVER_SPILL_DIR``."""
-        directory = spill_dir()
-        return ensure_private_dir(directory) if create and directory is not None else directory
-
-    @staticmethod
-    def reserved(numel: int, dtype: torch.dtype) -> Tensor | None:
-        """On a replacement that was a hot spare: ``numel`` elements of memory it faulted in while it waited (for a
-        table buffer the decode fills), ``None`` when it kept none or they do not fit (see :mod:`.coding.reserve`)."""
-        return reserve.take(numel, dtype)
-
-    @staticmethod
-    def joining() -> bool:
-        """Whether this process replaces a lost rank and has not joined the survivors yet."""
-        return inplace.joining()
-
-    @staticmethod
-    def shared_plan(compute: Callable[[], Plan], global_rank: int, before_reading: Callable[[], None]) -> Plan:
-        """The sharding plan, kept in the launcher's store for replacements (see :func:`.inplace.protocol.shared_plan`)."""
-        return inplace.shared_plan(compute, global_rank, before_reading)
 
     def in_process_recovery(self) -> inplace.InProcessRecovery | None:
         """The survivor and replacement sides of in-process recovery, ``None`` unless the world group is
