@@ -75,10 +75,19 @@ def _batch(old_rank: int) -> torch.Tensor:
     return torch.arange(8, dtype=torch.float32).reshape(2, 4) * (old_rank + 1) / 7
 
 
+def _as_launched(port: int) -> None:
+    """What ``lightning-dlrover launch`` gives its workers: the launcher's store (here the test's), where a rank marks
+    itself started before its group connects."""
+    from lightning_dlrover.fault.inplace import membership
+
+    os.environ[membership.STORE_ENV] = f"127.0.0.1:{port}"
+
+
 def _shrink_worker(rank: int, port: int) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         register()
+        _as_launched(port)
         dist.init_process_group(BACKEND, store=store, rank=rank, world_size=3, timeout=timedelta(seconds=30))
         group = dist.group.WORLD
         total = torch.tensor([rank + 1])
@@ -206,6 +215,7 @@ def _reshard_worker(rank: int, port: int) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         register()
+        _as_launched(port)
         dist.init_process_group(BACKEND, store=store, rank=rank, world_size=3, timeout=timedelta(seconds=30))
         torch.manual_seed(0)
         module = _ebc()

@@ -3,6 +3,7 @@ run code, belongs to another launch of the job, or sits in a directory other use
 
 import os
 import pickle
+import stat
 
 import pytest
 import torch
@@ -152,3 +153,14 @@ def test_progress_records_give_the_last_committed_step_of_this_launch(tmp_path):
     for record in records:
         record.close(remove=True)
     assert last_committed_step(directory) is None
+
+
+def test_a_drills_node_directory_creates_the_default_root_private(tmp_path):
+    """A drill's spill directory (``<root>/<run>/node0``) created first on a fresh machine: the root and the run's
+    directory are made 0700 too, so a later job's default spill directory under the same root is accepted (they got
+    the umask's 755 and every later job refused to record progress)."""
+    root = tmp_path / f"lightning_dlrover-{os.getuid()}"
+    node = ensure_private_dir(root / "drill-1234" / "node0")
+    for directory in (root, root / "drill-1234", node):
+        assert stat.S_IMODE(os.lstat(directory).st_mode) == 0o700, directory
+    assert ensure_private_dir(root / "job-5678") == root / "job-5678"  # a later job's default directory

@@ -86,8 +86,11 @@ def _check_private(path: Path) -> None:
 
 def ensure_private_dir(path: Path) -> Path:
     """Creates ``path`` (mode 0700) or checks that it is a private directory of this user; raises
-    :class:`UnsafeSpillDir` otherwise. The default root under ``/dev/shm`` is checked too."""
-    parents = [p for p in (path.parent,) if p.name == f"lightning_dlrover-{os.getuid()}"]
+    :class:`UnsafeSpillDir` otherwise. The default root under ``/dev/shm`` and every directory between it and
+    ``path`` (a drill's ``<root>/<run>/node<i>``) are created private and checked too: a root made by
+    ``mkdir(parents=True)`` would get the umask's mode and be refused by every later job."""
+    root = next((i for i, p in enumerate(path.parents) if p.name == f"lightning_dlrover-{os.getuid()}"), None)
+    parents = [] if root is None else list(reversed(path.parents[: root + 1]))
     for directory in [*parents, path]:
         if not os.path.lexists(directory):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
