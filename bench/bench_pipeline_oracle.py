@@ -52,9 +52,20 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=2048, help="global batch size")
     p.add_argument("--window", type=float, default=2.0, help="the tuners' window_s (PipelineTuner's default)")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench_pipeline_oracle")
+    p.add_argument("--grid", default=None, help="the fixed settings to run instead of the 12-point grid, comma-separated, "
+                   "e.g. 'r0 p0 t0 a0 q0,r1 p1 t1 a1 q2' (the default is always among them)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.grid:
+        try:
+            chosen = [tuple(int(tok[1:]) for tok in item.split()) for item in args.grid.split(",")]
+        except ValueError:
+            p.error(f"--grid {args.grid!r}: give settings as 'rN pN tN aN qN', comma-separated")
+        if any(len(c) != 5 for c in chosen):
+            p.error(f"--grid {args.grid!r}: each setting has five numbers (read parse transform assemble prefetch)")
+        GRID[:] = list(dict.fromkeys([*chosen, DEFAULT]))
+    return args
 
 
 def short(c) -> str:
@@ -210,7 +221,8 @@ def main(argv=None) -> None:
     for devices in [int(d) for d in args.ranks.split(",") if d]:
         cmd = [sys.executable, __file__, "--worker", "--devices", str(devices), "--data", str(args.data), "--rounds",
                str(args.rounds), "--seconds", str(args.seconds), "--settle", str(args.settle), "--tune",
-               str(args.tune), "--batch", str(args.batch), "--window", str(args.window), "--out", str(args.out)]
+               str(args.tune), "--batch", str(args.batch), "--window", str(args.window), "--out", str(args.out),
+               *(["--grid", args.grid] if args.grid else [])]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         results, t0 = [], time.perf_counter()
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:

@@ -29,6 +29,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -182,7 +183,7 @@ def check(cal: Calibration, measured: Path | None) -> str:
     results = json.loads(measured.read_text()) if measured else ISSUE_24
     by: dict[str, list[float]] = {}
     for r in results:
-        if r["variant"].startswith("r"):
+        if re.fullmatch(r"r\d+ p\d+ t\d+ a\d+ q\d+", r["variant"]):  # fixed settings, not the tuners (rl)
             by.setdefault(r["variant"], []).append(r["samples_per_s"])
     model = PipelineModel(cal, cores=2)
     rows, worst = [], 0.0

@@ -118,8 +118,22 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
         why = f" (not compared: the fault-free run stopped at step {args.reference_steps}, --reference-steps)"
     if unseeded:
         why = f" ({unseeded})"
+    elif not match and (data := _data_not_resumable(events)):
+        why = f" ({data})"
     lines.append(f"digest match: {'yes' if match else 'no'}{why}")
     return lines
+
+
+def _data_not_resumable(events: list[Event]) -> str:
+    """Why a recovered run's final state can differ from the fault-free one's although the model was restored
+    exactly: a training loader without ``state_dict`` started its stream again (the strategy's
+    ``data_not_resumable`` event); empty when none did."""
+    loaders = sorted({name for e in events if e.kind == "data_not_resumable" for name in e["loaders"]})
+    if not loaders:
+        return ""
+    return (f"the training loader {', '.join(loaders)} has no state_dict(): a recovery restores the model and "
+            "optimizers exactly, but this loader starts its stream again, so the data after it differ from the "
+            "fault-free run's; return a torchdata StatefulDataLoader from train_dataloader() to make it exact")
 
 
 def _unseeded(events: list[Event], reference: list[Event] | None) -> str:
@@ -208,6 +222,7 @@ def drill_facts(args: argparse.Namespace, finished: bool, events: list[Event], r
         "final_digest": finals[-1] if finals else None, "fault_free_digest": fault_free[-1] if fault_free else None,
         "digest_match": bool(finals and fault_free) and finals[-1] == fault_free[-1] and finished,
         "unseeded": _unseeded(events, reference) or None,
+        "data_not_resumable": _data_not_resumable(events) or None,
     }
 
 
@@ -219,6 +234,8 @@ def _drill_lines(f: dict[str, Any]) -> list[str]:
                if f["goodput"] is not None else "unknown (" + ("no fault-free run" if f["fault_free_wall_s"] is None
                                                              else "the job did not finish") + ")")
     why = f" ({f['unseeded']})" if f["unseeded"] else "" if f["fault_free_digest"] else " (no fault-free run to compare)"
+    if not f["digest_match"] and not f["unseeded"] and f["data_not_resumable"]:
+        why = f" ({f['data_not_resumable']})"
     return [
         f"mode: {f['mode']}; kills: {f['schedule']}, seed {f['seed']}",
         f"kills landed: {f['kills_landed']} of {f['kills_asked']}{short}",

@@ -110,6 +110,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     # The staged data loader dropped malformed lines (data.pipeline.on_error: skip), one event per file at the end of
     # each epoch and of fit (what the epoch's event did not cover): line and reason of the first, count of them all
     "data_skipped": ("file", "line", "reason", "count"),
+    # rank 0 before its first step: training loaders without state_dict() (a recovery restores the model exactly but
+    # these start their stream again, so the state after a recovery differs from a fault-free run's)
+    "data_not_resumable": ("loaders",),
     # ElasticBatchScaler (step: the global step the change takes effect after)
     "batch_rescaled": ("reason", "policy", "rule", "old_world_size", "world_size", "old_global_batch", "global_batch",
                        "per_rank_batch", "lr_factor", "noise_scale", "predicted_gain"),

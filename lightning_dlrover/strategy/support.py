@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_dlrover import torchrec_glue
 from lightning_dlrover.log import get_logger
+from lightning_dlrover.monitor.events import emit
 
 log = get_logger(__name__)
 _data_checked: weakref.WeakSet = weakref.WeakSet()
@@ -114,6 +115,7 @@ def warn_unresumable_data(trainer: Any) -> None:
     _data_checked.add(trainer)
     found = unresumable_loaders(trainer.train_dataloader)
     if found and trainer.is_global_zero:
+        emit("data_not_resumable", step=trainer.global_step, loaders=found)
         log.warning(
             f"DLRoverStrategy: the training loader {', '.join(found)} has no state_dict(): a recovery (in process, from "
             "spills or from a checkpoint) restores the model and optimizers exactly at the committed step, but this "

@@ -2,7 +2,9 @@
 only receives batches; the batches are those of assemble inline (same order, same values), resumption is exact,
 and a change of assemble workers applies live."""
 
+import functools
 import os
+import time
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from lightning_dlrover.data import CriteoTSV, ResumableLoader
 from lightning_dlrover.data.generate import GeneratorConfig, generate_days
 from lightning_dlrover.data.staged import INLINE, PipelineConfig, PipelinedLoader
+from lightning_dlrover.data.staged import chain as chain_module
 
 SIZES = [1000 + 17 * i for i in range(26)]
 MAIN_PID = os.getpid()
@@ -110,3 +113,31 @@ def test_all_inline_runs_no_process(days):
     next(it)
     assert loader.worker_pids() == []
     it.close()
+
+
+_real_worker = chain_module._worker
+
+
+def _stuck_once(marker: str, *args) -> None:
+    """A worker whose first start never runs (as a child stuck in CPython's after-fork code): it never says so."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return _real_worker(*args)
+    os.close(fd)
+    time.sleep(600)
+
+
+def test_a_worker_stuck_in_its_fork_is_started_again_and_no_batch_is_lost(days, tmp_path, monkeypatch, capsys):
+    """Once in ~50 rebuilds a forked child hung before any of its Python ran (another thread of the training process
+    was creating or deleting its thread state at the fork) and the rank waited for its batch forever. The chain now
+    waits for each worker to say it runs, kills one that does not and starts it again."""
+    source = CriteoTSV(days, SIZES)
+    want = list(ResumableLoader(source, 0, 1, 160))
+    monkeypatch.setenv(chain_module.START_S_ENV, "2")
+    monkeypatch.setattr(chain_module, "_worker", functools.partial(_stuck_once, str(tmp_path / "stuck")))
+    got = stream(PipelinedLoader(source, 0, 1, 160, PipelineConfig(0, 1, 0, 1, 1), chunk_rows=37))
+    assert len(got) == len(want) and all(identical(a, b) for a, b in zip(got, want))
+    assert (tmp_path / "stuck").exists()
+    said = capsys.readouterr()
+    assert "did not start within 2 s (stuck in its fork); started it again" in said.out + said.err

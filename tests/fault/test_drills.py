@@ -77,6 +77,25 @@ def test_a_loader_without_state_dict_is_named_once_before_training(tmp_path):
     assert out.index(warning) < out.index("state digest:")
 
 
+def test_torchrecs_dlrm_dcn_with_a_plain_stream_is_restored_exactly_and_the_drill_names_the_loader(tmp_path):
+    """Issue #29's case: TorchRec's own ``DLRM_DCN`` fed by a plain ``IterableDataset``, rank 1 killed in process at
+    step 12. The model is restored exactly (the step-12 state equals the fault-free run's), the replacement's stream
+    starts again so the final state differs, and the report says why instead of a bare "digest match: no"; the
+    strategy named the loader once (``data_not_resumable``, rank 0, before the first step) in each run."""
+    script = str(REPO / "tests" / "scripts" / "dcn_model.py")
+    _, got, out = chaos(tmp_path, "--in-process", "--spares", "1", "--kill-rank", "1", "--at-step", "12",
+                        "--script", script, "--", "--steps", "20")
+    assert got["recovered"].startswith("yes"), out[-4000:]
+    assert got["restored state equals the fault-free state at step 12"] == "yes", out[-4000:]
+    assert got["digest match"].startswith("no (the training loader DataLoader(ClickStream) has no state_dict()"), got
+    assert "StatefulDataLoader" in got["digest match"]
+    for run_dir in ("faulted", "reference"):
+        events = read_events([tmp_path / run_dir / "events.jsonl"])
+        named = [e for e in events if e.kind == "data_not_resumable"]
+        assert named and all(e.rank == 0 and e.step == 0 for e in named), (run_dir, named)
+        assert named[0]["loaders"] == ["DataLoader(ClickStream)"]
+
+
 def test_only_loaders_without_state_dict_are_named():
     from torch.utils.data import DataLoader
     from torchdata.stateful_dataloader import StatefulDataLoader

@@ -25,8 +25,14 @@ from torchdata.nodes import BaseNode
 
 from lightning_dlrover.data.staged.config import STAGES, PipelineConfig
 from lightning_dlrover.data.staged.graph import Delivered, _Assembled, _Chunk, _pack
+from lightning_dlrover.log import get_logger
 
+log = get_logger(__name__)
 _POLL_S = 0.1
+#: Seconds a started worker process has to say it runs before it is taken for stuck in its fork and started again
+#: (``$LIGHTNING_DLROVER_WORKER_START_S``); tries before the chain gives up.
+START_S_ENV = "LIGHTNING_DLROVER_WORKER_START_S"
+_START_TRIES = 3
 
 
 def _each(fn: Callable[[_Chunk], _Chunk], chunks: list[_Chunk]) -> list[_Chunk]:
@@ -39,8 +45,13 @@ def _run(fns: Sequence[Callable[[Any], Any]], work: Any) -> Any:
     return work
 
 
-def _worker(stage: str, fns: Sequence[Callable[[Any], Any]], in_q: Any, out_q: Any, stop: Any, parent: int) -> None:
-    """One worker process of ``stage``: applies its (fused) stage functions to each batch of ``in_q``."""
+def _worker(stage: str, fns: Sequence[Callable[[Any], Any]], in_q: Any, out_q: Any, stop: Any, parent: int,
+            started: Any = None) -> None:
+    """One worker process of ``stage``: says it runs on ``started`` (a pipe's end), then applies its (fused) stage
+    functions to each batch of ``in_q``."""
+    if started is not None:
+        started.send_bytes(b"up")
+        started.close()
     torch.set_num_threads(1)
     out_q.cancel_join_thread()  # a chain being stopped drops what it has not handed on
     while not stop.is_set() and os.getppid() == parent:
@@ -94,13 +105,42 @@ class ProcessChain(BaseNode[Delivered]):
         queues = [mp.Queue() for _ in range(len(segments) + 1)]
         self._in_q, self._out_q, self._between = queues[0], queues[-1], queues[1:-1]
         self._stage_of: dict[int, str] = {}
-        for k, (stage, workers, fns) in enumerate(segments):
-            for _ in range(workers):
-                p = mp.Process(target=_worker, args=(stage, fns, queues[k], queues[k + 1], self._mp_stop, os.getpid()),
-                               daemon=True)
-                p.start()
-                self._workers.append(p)
-                self._stage_of[p.pid] = stage
+        starting = [self._fork(stage, fns, queues[k], queues[k + 1])
+                    for k, (stage, workers, fns) in enumerate(segments) for _ in range(workers)]
+        for started in starting:
+            p = self._await_start(*started)
+            self._workers.append(p)
+            self._stage_of[p.pid] = started[0]
+
+    def _fork(self, stage: str, fns: list[Callable], in_q: Any, out_q: Any) -> tuple:
+        reader, writer = mp.Pipe(duplex=False)
+        p = mp.Process(target=_worker, args=(stage, fns, in_q, out_q, self._mp_stop, os.getpid(), writer), daemon=True)
+        p.start()
+        writer.close()
+        return stage, fns, in_q, out_q, p, reader
+
+    def _await_start(self, stage: str, fns: list[Callable], in_q: Any, out_q: Any, p: Any, reader: Any) -> Any:
+        """``p`` once it says it runs. A child forked while another thread of this process was creating or deleting
+        its thread state can hang in CPython's after-fork code (3.11) before any of its Python runs: seen once in ~50
+        chain rebuilds of a 2-rank job, whose rank then waited for its batch forever. Such a child is killed and
+        forked again."""
+        timeout = float(os.environ.get(START_S_ENV, "10"))
+        for attempt in range(1, _START_TRIES + 1):
+            if attempt > 1:
+                *_, p, reader = self._fork(stage, fns, in_q, out_q)
+            if reader.poll(timeout):  # a child that died at once reads as ready; next() reports it
+                reader.close()
+                return p
+            reader.close()
+            p.kill()
+            p.join(timeout=5.0)
+            again = "started it again" if attempt < _START_TRIES else "giving up"
+            log.warning(f"a data pipeline {stage} worker process (pid {p.pid}) did not start within {timeout:g} s "
+                        f"(stuck in its fork); {again} (try {attempt} of {_START_TRIES})")
+        raise RuntimeError(
+            f"the data pipeline's {stage} worker process did not start within {timeout:g} s in {_START_TRIES} tries; "
+            f"if the machine is only very busy, raise ${START_S_ENV}, else run the stages inline (data.pipeline: "
+            "all 0).")
 
     def _top_up(self) -> None:
         while not self._exhausted and self._fed - self._next < self._cap:
