@@ -45,16 +45,13 @@ Design (one decision per measurement window, ``window_s`` seconds each):
   the incumbent).
 
 Cost: a rejected trial is 2 windows, a kept one 5-7, each switch a pipeline reset (a rebuild at the current
-sample, 0.2-0.5 s on 2 cores). On few cores (this project's 2-core machines) the trainer is the bottleneck and
-the prior tries fewer workers first; there the gain to find is small against the window-to-window noise, so
-the agent mostly keeps the start or one step from it (``bench/bench_pipeline_oracle.py``). On many cores a
-parse-bound pipeline is the bottleneck and the agent grows the busy stages geometrically (1, 2, 3, 4, 6, 9...).
-On a model calibrated on this machine (``bench/bench_pipeline_scale.py``, a trainer at a GPU's rate, 8-64
-cores), with assemble in worker processes (the product since issue #24: the training process only receives
-batches, 1.4 ms of CPU per 2048 samples) the agent ends at 1.00 of the grid oracle, 2.42x the default, within
-17 s of pipeline time, at every core count; with assemble in the training process's threads (before) the best
-setting was 1.90x the default and the agent stopped at 0.89 of it. The space stays small (the best setting uses
-~5 workers whatever the cores: the trainer is then the limit), so a model-based allocator gets there sooner.
+sample, 0.2-0.5 s on 2 cores). On few cores the trainer is the bottleneck and the prior tries fewer workers first:
+on a quiet 2-core machine (1 rank, ``bench/bench_pipeline_oracle.py``, 4 interleaved rounds) the agent ended at 0.99
+of a 12-point grid oracle (all inline) and 1.17x the default, above the default in every round, converged within
+25-35 s. On many cores a parse-bound pipeline is the bottleneck and the agent grows the busy stages geometrically
+(1, 2, 3, 4, 6, 9...). On a model calibrated on that machine (``bench/bench_pipeline_scale.py``, a trainer at a
+GPU's rate, 8-64 cores) it ends at 1.00 of the grid oracle (1.49x the default) within 5 s of pipeline time; the
+space stays small there (the trainer is the limit beyond ~3 workers), so a model-based allocator does as well.
 
 At 2+ ranks one agent decides for all (rank 0's, on the ranks' combined observations:
 :mod:`~lightning_dlrover.pipeline_tuner.joint`).
