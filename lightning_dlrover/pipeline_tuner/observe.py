@@ -137,7 +137,7 @@ class WorkerMemory:
     def __init__(self, refresh_s: float = 10.0) -> None:
         self.refresh_s = refresh_s
         self._base: dict[tuple[int, float], tuple[int, int, float]] = {}  # (pid, start) -> (uss, rss, when read)
-        self._last_refresh = 0.0
+        self._last_refresh = time.monotonic()  # every worker is read in full when first seen: no refresh due yet
 
     def sample(self, pids: list[int]) -> list[int]:
         """The USS of each live process in ``pids`` (bytes), in order."""
@@ -163,11 +163,8 @@ class WorkerMemory:
         return out
 
 
-def pipeline_memory(loader: PipelinedLoader, workers: WorkerMemory | None = None) -> tuple[int, list[int]]:
-    """Pipeline memory now (bytes) and the USS of each worker process (``workers``: read cheaply, see
-    :class:`WorkerMemory`; else each read in full)."""
-    if workers is None:
-        workers = WorkerMemory()
+def pipeline_memory(loader: PipelinedLoader, workers: WorkerMemory) -> tuple[int, list[int]]:
+    """Pipeline memory now (bytes) and the USS of each worker process, as ``workers`` follows them."""
     uss = workers.sample(loader.worker_pids())
     buffered = (loader.config.prefetch + 2) * loader.stats.batch_bytes * 3
     return sum(uss) + buffered, uss
