@@ -124,6 +124,7 @@ class FaultInjector(pl.Callback):
         self.rank = rank if isinstance(rank, int) else sorted(set(ranks))
         self.step, self.phase, self.signal, self.target = step, phase, signal, target
         self._strategy: Any = None
+        self._agent_pid: int | None = None
 
     @property
     def ranks(self) -> list[int]:
@@ -202,6 +203,7 @@ class FaultInjector(pl.Callback):
         if self not in points:
             points.append(self)
         self._strategy = strategy
+        self._agent_pid = os.getppid()  # while this worker's agent surely lives: the node kill's target
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Registers this injector with the trainer's ``DLRoverStrategy`` (see :meth:`attach`)."""
@@ -231,16 +233,9 @@ class FaultInjector(pl.Callback):
             log.warning(f"FaultInjector: raising RuntimeError on rank {rank} (pid {pid}) at step {step}, phase {phase}")
             raise RuntimeError(f"FaultInjector: injected error on rank {rank} at step {step}, phase {phase}")
         if self.target == "node":
-            agent = psutil.Process(os.getppid())
-            workers = [p for p in agent.children() if p.pid != pid]
-            log.warning(
-                f"FaultInjector: killing node at {time.time():.3f} (agent pid {agent.pid}, workers "
-                f"{sorted(p.pid for p in workers) + [pid]}) from rank {rank} at step {step}, phase {phase}"
-            )
-            for process in [agent, *workers]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    process.kill()
-            os.kill(pid, signals.SIGKILL)
+            log.warning(f"FaultInjector: killing node at {time.time():.3f} (agent pid {self._agent_pid}) from rank "
+                        f"{rank} at step {step}, phase {phase}")
+            kill_node(self._agent_pid)
         log.warning(f"FaultInjector: killing rank {rank} (pid {pid}) at step {step}, phase {phase} with {self.signal}")
         os.kill(pid, getattr(signals, self.signal))
 
@@ -291,3 +286,24 @@ class FaultInjector(pl.Callback):
         store, deadline = membership.connect(), time.monotonic() + SPARES_TIMEOUT_S
         while membership.spares_waiting(store, restart_count()) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def kill_node(agent_pid: int | None) -> None:
+    """SIGKILLs this worker's agent ``agent_pid`` (its parent when the fault was attached), the agent's other workers,
+    then this process.
+
+    Only while the agent is still this process's parent: the workers of one node all fire at the same point, and
+    once one of them has killed the agent the others are re-parented to the nearest reaper (init, or the process
+    that runs the whole machine's jobs), which must never be taken for the agent. The first worker to act kills
+    every sibling it saw, so the others only need to die themselves.
+    """
+    me = os.getpid()
+    victims: list[psutil.Process] = []
+    if agent_pid is not None and agent_pid > 1 and os.getppid() == agent_pid:
+        with contextlib.suppress(psutil.Error):
+            agent = psutil.Process(agent_pid)
+            victims = [agent, *(p for p in agent.children() if p.pid != me)]
+    for process in victims:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    os.kill(me, signals.SIGKILL)

@@ -266,3 +266,46 @@ def test_ranks_killed_together_each_wait_for_the_others_at_the_point(tmp_path):
     assert "rank 0: FaultInjector: injected error on rank 0 at step 3, phase after_optimizer; rank 1 had reached the " \
         "point: True" in outs[0], outs[0][-3000:]
     assert "rank 1 had reached the point: True" in outs[1]
+
+
+# --- the node kill's target -------------------------------------------------------------------------------------
+
+_REAPER = textwrap.dedent("""
+    import ctypes, os, signal, subprocess, sys
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans below come here, as to init or a CI runner
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    agent = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+    worker = int(agent.stdout.readline())
+    agent.wait()  # the agent is gone (as when a sibling worker killed it): its worker is re-parented to this process
+    _, status = os.waitpid(worker, 0)
+    print("worker", "SIGKILL" if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL else status)
+    print("bystander", "alive" if bystander.poll() is None else bystander.returncode)
+    bystander.kill()
+""")
+_AGENT = textwrap.dedent("""
+    import subprocess, sys
+    worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+    assert worker.stdout.readline() == "ready\\n"
+    print(worker.pid, flush=True)
+    # exits now: the worker outlives it
+""")
+_WORKER = textwrap.dedent("""
+    import os, sys, time
+    agent = os.getppid()
+    from lightning_dlrover.fault.injector import kill_node
+    print("ready", flush=True)
+    while os.getppid() == agent:
+        time.sleep(0.01)
+    kill_node(agent)
+    print("kill_node returned", flush=True)
+""")
+
+
+def test_a_node_kill_whose_agent_is_already_gone_kills_only_its_own_worker(tmp_path):
+    """The workers of a node fire its kill together; one kills the agent first, and the others, now re-parented to a
+    reaper (init, or the process that runs a CI machine's jobs), must not take that reaper for their agent."""
+    agent = f"import sys; sys.argv[1:] = [{_WORKER!r}]\n" + _AGENT
+    done = subprocess.run([sys.executable, "-c", _REAPER, agent], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["worker SIGKILL", "bystander alive"], done.stdout + done.stderr[-3000:]
