@@ -8,8 +8,10 @@ consuming at a GPU's rate.
    worker processes, with assemble in worker processes (the chain) the main process's CPU per batch (plan and
    receive: the model's ``ipc_s["assemble"]``) and a hop between worker processes, the training process's CPU
    per batch under the default with assemble in threads and in processes, a worker process's memory, the demo
-   DLRM's CPU per step (1 rank, all inline) and the noise of 2-second windows of its rate; the trainer's wall step is its CPU over ``--trainer-cores`` (or from a quiet
-   measured all-inline rate, ``--reference``). Writes ``calibration.json``.
+   DLRM's CPU per step (1 rank, all inline) and the noise of 2-second windows of its rate, and the same step's wall
+   beside a process burning half a core (the model's ``barrier``: step seconds lost per CPU-second of other work);
+   the trainer's wall step is its CPU over ``--trainer-cores`` (or from a quiet measured all-inline rate,
+   ``--reference``). Writes ``calibration.json``.
 2. ``--measured results_x1.json`` (of ``bench/bench_pipeline_oracle.py --ranks 1``): the model's prediction for each
    fixed 2-core setting against the measured mean (the check: each row within 15%).
 3. For each core count: every tuner runs on the model (its windows are the model's rate plus the measured window
@@ -85,9 +87,22 @@ def _loader_run(path: Path, config: PipelineConfig, batch: int, batches: int, me
             "uss": uss, "batch_bytes": s1.batch_bytes, "worker_cpu": wcpu / n}
 
 
-def _trainer_run(path: Path, batch: int, seconds: float, pipeline: dict | None = None) -> dict:
+_BURNER = """
+import sys, time
+duty, slice_s = float(sys.argv[1]), 0.002
+while True:
+    end = time.perf_counter() + slice_s
+    while time.perf_counter() < end:
+        pass
+    time.sleep(slice_s * (1 - duty) / duty)
+"""
+
+
+def _trainer_run(path: Path, batch: int, seconds: float, pipeline: dict | None = None, burn: float = 0.0) -> dict:
     """The demo DLRM at 1 rank on all-inline batches (or ``pipeline``): wall and CPU per step, and the rate of
-    2-second windows."""
+    2-second windows. ``burn``: beside it, a process busy that fraction of each 2 ms slice (its CPU per step in
+    ``burner_cpu_per_step``)."""
+    import subprocess
     import warnings
 
     import lightning.pytorch as pl
@@ -99,6 +114,8 @@ def _trainer_run(path: Path, batch: int, seconds: float, pipeline: dict | None =
 
     warnings.filterwarnings("ignore")
     out: dict = {"windows": []}
+    burner = subprocess.Popen([sys.executable, "-c", _BURNER, str(burn)]) if burn > 0 else None
+    burner_cpu = (lambda: sum(psutil.Process(burner.pid).cpu_times()[:2])) if burner else (lambda: 0.0)
 
     class Clock(pl.Callback):
         def __init__(self) -> None:
@@ -109,6 +126,7 @@ def _trainer_run(path: Path, batch: int, seconds: float, pipeline: dict | None =
             now = time.perf_counter()
             if self.steps == 20:
                 self.t0, self.cpu0, self.s0, self.w0, self.ws = now, sum(psutil.Process().cpu_times()[:2]), 20, now, 20
+                self.burner0 = burner_cpu()
             elif self.t0 is not None:
                 if now - self.w0 >= 2.0:
                     out["windows"].append((self.steps - self.ws) * batch / (now - self.w0))
@@ -117,6 +135,7 @@ def _trainer_run(path: Path, batch: int, seconds: float, pipeline: dict | None =
                     n = self.steps - self.s0
                     out["wall_per_step"] = (now - self.t0) / n
                     out["cpu_per_step"] = (sum(psutil.Process().cpu_times()[:2]) - self.cpu0) / n
+                    out["burner_cpu_per_step"] = (burner_cpu() - self.burner0) / n
                     trainer.should_stop = True
 
     data = DLRMDataModule(SIZES, global_batch_size=batch, val_batches=0, criteo_paths=[str(path)],
@@ -126,7 +145,12 @@ def _trainer_run(path: Path, batch: int, seconds: float, pipeline: dict | None =
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          default_root_dir=str(REPO / "runs" / "bench_pipeline_scale"), callbacks=[Clock()],
                          strategy=DLRoverStrategy(sharding_types=["table_wise"], print_digest=False))
-    trainer.fit(model, data)
+    try:
+        trainer.fit(model, data)
+    finally:
+        if burner is not None:
+            burner.kill()
+            burner.wait()
     return out
 
 
@@ -157,6 +181,14 @@ def calibrate(path: Path, batch: int, out: Path, reference: float | None, traine
         f"assemble in {m}s {statistics.mean(v) * 1e3:.2f} ms ({' / '.join(f'{x * 1e3:.2f}' for x in v)})"
         for m, v in main_cpu.items()), flush=True)
     trainer = _trainer_run(path, batch, 24.0)
+    # The contention a step that fills its cores suffers: its wall beside a process burning half a core, per
+    # CPU-second that process took (all inline, so every stage runs in the step's thread; the 2-core rows of #24
+    # where a prefetch or worker processes were slower than all inline are this).
+    beside = _trainer_run(path, batch, 24.0, burn=0.5)
+    barrier = max(0.0, (beside["wall_per_step"] - trainer["wall_per_step"]) / max(beside["burner_cpu_per_step"], 1e-6))
+    print(f"the step beside a process burning {beside['burner_cpu_per_step'] * 1e3:.1f} ms of CPU per step: "
+          f"{trainer['wall_per_step'] * 1e3:.1f} -> {beside['wall_per_step'] * 1e3:.1f} ms (barrier {barrier:.2f} s "
+          "per CPU-second)", flush=True)
     pipeline_s = sum(service.values())
     trainer_cpu = max(1e-3, trainer["cpu_per_step"] - pipeline_s)
     step_s = max(1e-3, batch / reference - pipeline_s) if reference else trainer_cpu / trainer_cores
@@ -165,11 +197,13 @@ def calibrate(path: Path, batch: int, out: Path, reference: float | None, traine
     cal = Calibration(service_s=service, ipc_s={"parse": ipc_parse, "transform": ipc_transform, "assemble": receive,
                                                 "hop": hop}, step_s=step_s,
                       step_cores=min(2.0, trainer_cpu / step_s), worker_bytes=max(both["uss"] or [96 << 20]),
-                      batch_bytes=inline["batch_bytes"], batch_size=batch, noise=min(0.1, noise))
+                      batch_bytes=inline["batch_bytes"], batch_size=batch, noise=min(0.1, noise),
+                      barrier=round(barrier, 3))
     out.write_text(json.dumps({**cal.__dict__, "measured_at_load": os.getloadavg()[0], "trainer_cpu_s": trainer_cpu,
                                "trainer_wall_s_here": trainer["wall_per_step"], "inline_wall": inline["busy"],
                                "chain_worker_cpu": [chain1["worker_cpu"], chain2["worker_cpu"]],
-                               "default_main_cpu_s": main_cpu}, indent=1))
+                               "default_main_cpu_s": main_cpu, "trainer_wall_s_beside_burner": beside["wall_per_step"],
+                               "burner_cpu_s_per_step": beside["burner_cpu_per_step"]}, indent=1))
     return cal
 
 
@@ -333,7 +367,7 @@ def main(argv=None) -> None:
         sys.exit(f"{args.calibration} predates assemble in processes (no ipc_s.assemble): re-run --calibrate.")
     print("stage seconds per batch: " + ", ".join(f"{s} {cal.service_s[s] * 1e3:.1f} ms" for s in STAGES)
           + f"; process IPC {', '.join(f'{s} {v * 1e3:.1f} ms' for s, v in cal.ipc_s.items())}; trainer step "
-          f"{cal.step_s * 1e3:.0f} ms on {cal.step_cores:.2f} cores; worker {cal.worker_bytes / 2**20:.0f} MiB; "
+          f"{cal.step_s * 1e3:.0f} ms on {cal.step_cores:.2f} cores, barrier {cal.barrier:.2f}; worker {cal.worker_bytes / 2**20:.0f} MiB; "
           f"window noise {cal.noise:.1%}")
     print(check(cal, None))
     if args.measured:

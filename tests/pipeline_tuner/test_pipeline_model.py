@@ -43,3 +43,20 @@ def test_assemble_in_processes_leaves_the_trainer_only_the_receive():
     assert abs(model.rate(PipelineConfig(0, 8, 3, 2, 0)) - 1 / (0.005 + 0.001)) < 1e-2
     threads = PipelineModel(Calibration(**{**cal.__dict__, "methods": {**cal.methods, "assemble": "thread"}}), 64)
     assert threads.rate(PipelineConfig(0, 8, 3, 2, 0)) < 1 / (0.005 + 0.03) + 1e-6
+
+
+def test_a_trainer_that_fills_its_cores_pays_for_the_pipeline_work_it_cannot_overlap():
+    """``barrier``: on 2 cores a step that keeps both busy is lengthened by the pipeline's work wherever it runs (the
+    2-core measurements of #24: a prefetch thread or worker processes were slower than all inline); with cores to
+    spare the same work overlaps the step and the term does nothing."""
+    filling = Calibration(**{**CAL.__dict__, "step_s": 0.02, "step_cores": 2.0, "barrier": 1.0})
+    two = PipelineModel(filling, cores=2)
+    inline = two.rate(PipelineConfig(0, 0, 0, 0, 0))
+    assert abs(inline - 1 / (0.02 + 0.053)) < 1e-3
+    for config in (PipelineConfig(0, 0, 0, 0, 1), PipelineConfig(1, 1, 1, 1, 2), PipelineConfig(0, 2, 1, 0, 2)):
+        assert two.rate(config) <= inline + 1e-9  # no setting hides the 53 ms of stage work behind the step
+    without = PipelineModel(Calibration(**{**filling.__dict__, "barrier": 0.0}), cores=2)
+    assert without.rate(PipelineConfig(0, 0, 0, 0, 1)) > 1.1 * inline  # processor sharing alone: a prefetch "helps"
+    many = PipelineModel(Calibration(**{**filling.__dict__, "step_cores": 1.0}), cores=64)
+    assert many.rate(PipelineConfig(1, 8, 2, 1, 2)) == PipelineModel(
+        Calibration(**{**filling.__dict__, "step_cores": 1.0, "barrier": 0.0}), cores=64).rate(PipelineConfig(1, 8, 2, 1, 2))
