@@ -236,8 +236,9 @@ def oracle(model: PipelineModel, budget: Budget) -> tuple[PipelineConfig, float]
     c = budget.cpus
     small = range(0, min(c, 4) + 1)
     best, best_rate = DEFAULT, 0.0
-    for r, p, t, a, q in itertools.product(small, range(0, c + 1), range(0, c + 1), small, (0, 1, 2)):
-        if r + p + t + a > c:
+    # assemble beyond 4 workers only where it runs every stage (p = t = 0: in the chain, one stage fused)
+    for r, p, t, a, q in itertools.product(small, range(0, c + 1), range(0, c + 1), range(0, c + 1), (0, 1, 2)):
+        if r + p + t + a > c or (a > 4 and (p or t)):
             continue
         config = PipelineConfig(r, p, t, a, q)
         if model.memory(config) > budget.memory_bytes:

@@ -15,7 +15,8 @@ Design (one decision per measurement window, ``window_s`` seconds each):
   windows on either side of it, so a drift of the machine's load cancels; the incumbent's window before a
   trial is the last one of the previous trial). A candidate is **kept only if it beats the incumbent in every
   pair by ``min_gain`` (3%), and on average by twice the incumbent's own noise** (the median half-difference
-  of its adjacent windows); the first pair that does not ends the trial (two windows for a plain loser), and
+  of its adjacent windows; a candidate clearly ahead after two pairs, or by twice that margin after one, is kept
+  at once); the first pair that does not ends the trial (two windows for a plain loser), and
   the candidate is **undone** (back to the incumbent). So a tuner that finds no gain keeps the start, and no
   comparison is against a stale number. The job's first window is a warm-up and not compared.
 - **State**: the bottleneck, read from the incumbent's last window: the consumer (``trainer``) when it waited
@@ -24,7 +25,9 @@ Design (one decision per measurement window, ``window_s`` seconds each):
   busiest, and a second stage at least 85% as busy if any; the idlest other staffed stage; the memory level
   (predicted pipeline memory under 50%, 80% or above of the budget); whether the CPU limit is spent.
 - **Actions**: add workers to a stage (or to two at once; half as many again, at least one), remove one, move
-  one between stages, prefetch +1 / -1 (down to 0), double every staffed stage and the prefetch, halve them
+  one between stages, fuse a stage into the next staffed one (its workers join that stage, whose processes then
+  run both: one hand-over fewer per batch), prefetch +1 / -1 (down to 0), double every staffed stage and the
+  prefetch, halve them
   (down to all inline, nothing prefetched). Eligible:
   a different configuration within the CPU limit (the budget, or the start's workers if the user started
   above it: the agent never adds beyond either), the prefetch limit and (predicted) the memory budget, and
@@ -34,7 +37,8 @@ Design (one decision per measurement window, ``window_s`` seconds each):
   last 20%), minus ``change_cost``.
 - **Learning**: tabular Q-learning over (state, action), ``Q += alpha * (r + gamma * max Q(s') - Q)``, with a
   prior from the bottleneck: when a stage is the bottleneck, adding workers to it (+0.2), to it and the second
-  busiest stage (+0.18), moving one to it from the idlest stage (+0.15), doubling (+0.1), prefetch +1 (+0.05);
+  busiest stage (+0.18), moving one to it from the idlest stage (+0.15), fusing a stage once the CPU limit is spent
+  (+0.12), doubling (+0.1), prefetch +1 (+0.05);
   when the trainer is, fewer workers (halve +0.1, removing a read or assemble thread +0.08, removing the
   idlest stage's +0.06, prefetch -1 +0.04); everything else -0.05. Epsilon-greedy (``epsilon``, times
   ``decay`` per trial) among the eligible actions.
@@ -65,7 +69,8 @@ from dataclasses import dataclass
 from lightning_dlrover.data.staged import STAGES, PipelineConfig
 from lightning_dlrover.pipeline_tuner.observe import Budget, MemoryGuard, Observation
 
-# ("add", s) | ("add", s, s2) | ("remove", s) | ("move", src, dst) | ("prefetch", +1 | -1) | ("scale", 2 | 0.5)
+# ("add", s) | ("add", s, s2) | ("remove", s) | ("move", src, dst) | ("fuse", s) | ("prefetch", +1 | -1)
+# | ("scale", 2 | 0.5)
 Action = tuple
 
 
@@ -94,6 +99,12 @@ def apply_action(config: PipelineConfig, action: Action) -> PipelineConfig | Non
         if config.workers[src] < 1:
             return None
         return config.replace(**{src: config.workers[src] - 1, dst: config.workers[dst] + 1})
+    if kind == "fuse":  # the stage's workers join the next staffed stage, whose workers then run it too
+        stage = action[1]
+        after = next((t for t in STAGES[STAGES.index(stage) + 1:] if config.workers[t] > 0), None)
+        if config.workers[stage] < 1 or after is None:
+            return None
+        return config.replace(**{stage: 0, after: config.workers[after] + config.workers[stage]})
     if kind == "prefetch":
         p = config.prefetch + action[1]
         return config.replace(prefetch=p) if p >= 0 else None
@@ -121,6 +132,7 @@ def shrink(config: PipelineConfig, guard: MemoryGuard) -> PipelineConfig:
 ACTIONS: list[Action] = ([("add", s) for s in STAGES] + [("remove", s) for s in STAGES]
                          + [("add", a, b) for i, a in enumerate(STAGES) for b in STAGES[i + 1:]]
                          + [("move", a, b) for a in STAGES for b in STAGES if a != b]
+                         + [("fuse", s) for s in STAGES[:-1]]
                          + [("prefetch", 1), ("prefetch", -1), ("scale", 2), ("scale", 0.5)])
 
 
@@ -212,6 +224,8 @@ class RLTuner:
                 return 0.1
             if action == ("prefetch", 1):
                 return 0.05
+            if action[0] == "fuse" and state[3]:  # no core left to add: a stage fewer saves its hand-over's CPU
+                return 0.12
             return -0.05
         # the trainer is the bottleneck: the pipeline keeps up, fewer workers give the trainer its cores back
         if action == ("scale", 0.5):
@@ -269,7 +283,10 @@ class RLTuner:
         self._noise.append(abs(inc[-1] - inc[-2]) / max(inc[-1] + inc[-2], 1e-9))  # the incumbent against itself
         failed = ratios[-1] <= 1 + self.min_gain
         noise = sorted(self._noise)[len(self._noise) // 2]  # median half-difference of adjacent incumbent windows
-        clear = len(ratios) >= 2 and min(ratios) > 1 + max(3 * self.min_gain, 4 * noise)  # no third pair needed
+        margin = max(3 * self.min_gain, 4 * noise)
+        # no third pair needed; a gain of twice the margin needs no second (a parse-bound pipeline on many cores
+        # doubles with each added worker: the climb is then as many trials as the cores allow)
+        clear = min(ratios) > 1 + (margin if len(ratios) >= 2 else 2 * margin)
         if not failed and not clear and len(cand) < self.pairs:
             return Decision(obs, trial["candidate"], f"compare: {trial['candidate'].short()} again "
                             f"({ratios[-1] - 1:+.1%} in the last pair)", self.guard.predict(trial["candidate"]))
@@ -334,6 +351,8 @@ class RLTuner:
     def _describe(action: Action) -> str:
         if action[0] == "move":
             return f"move a worker {action[1]} -> {action[2]}"
+        if action[0] == "fuse":
+            return f"fuse {action[1]} into the next stage's workers"
         if action[0] == "prefetch":
             return f"prefetch {action[1]:+d}"
         if action[0] == "scale":

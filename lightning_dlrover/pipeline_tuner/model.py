@@ -25,9 +25,9 @@ The model, per batch (``X`` batches per second):
   the stages run at ``speed = cores / demand`` of their own pace when the demand would exceed them; each
   runnable process beyond the cores costs ``switch`` of the CPU (cache and scheduler losses).
 - **A trainer whose step keeps its cores busy** (``barrier``): the step's intra-op threads meet at the end of each
-  parallel region, so a core taken from one of them stalls the others too. Work of the pipeline beyond what the
-  cores the step leaves free can take during it (``(cores - step_cores) x step_s``) lengthens the step by
-  ``barrier`` seconds per CPU-second: ``X x (step_s + barrier x leftover) <= 1``. Measured on a 2-core machine
+  parallel region, so a core taken from one of them stalls the others too. The pipeline's work beyond the cores
+  the step leaves free (``stolen = X x other work - (cores - step_cores)`` cores) lengthens the steps by ``barrier``
+  seconds per CPU-second: ``X x step_s + barrier x stolen <= 1``. Measured on a 2-core machine
   (``bench/bench_pipeline_scale.py --calibrate``: the step's wall beside a process burning a known CPU) it is ~1:
   there, every millisecond of pipeline work costs the trainer a millisecond, wherever it runs. ``0`` leaves only
   processor sharing (a trainer that does not fill its cores, e.g. a GPU's one feeding thread on many cores).
@@ -126,16 +126,16 @@ class PipelineModel:
             p = self._parts(c)
 
             cal = self.cal
-            # the pipeline's work per batch beyond what the cores the step leaves free take while it runs
-            leftover = max(0.0, p["work"] - cal.step_s * cal.step_cores
-                           - max(0.0, self.cores - cal.step_cores) * cal.step_s)
-            stalled_step = cal.step_s + cal.barrier * leftover
+            other = p["work"] - cal.step_s * cal.step_cores  # the pipeline's CPU-seconds per batch
+            spare_cores = max(0.0, self.cores - cal.step_cores)
 
             def feasible(x: float) -> bool:
                 demand = x * p["work"]
                 speed = min(1.0, self.cores * p["efficiency"] / demand) if demand > 0 else 1.0
+                # each second, the pipeline's work beyond the cores the step leaves free is taken from the step's
+                stolen = max(0.0, x * other - spare_cores)
                 return (x * p["serial"] <= speed and x <= p["stage_bound"] * speed
-                        and demand <= self.cores * p["efficiency"] and x * stalled_step <= 1.0)
+                        and demand <= self.cores * p["efficiency"] and x * cal.step_s + cal.barrier * stolen <= 1.0)
 
             lo, hi = 0.0, 1.0 / p["serial"]
             for _ in range(60):

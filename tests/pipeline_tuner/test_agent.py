@@ -91,6 +91,11 @@ def test_actions_and_shrink():
     assert apply_action(c, ("move", "read", "parse")) == PipelineConfig(0, 3, 1, 0, 2)
     assert apply_action(c, ("move", "assemble", "parse")) is None
     assert apply_action(c, ("prefetch", -1)) == c.replace(prefetch=1)
+    # fuse: a stage's workers join the next staffed stage, which then runs it too (no hand-over between them)
+    assert apply_action(c, ("fuse", "read")) == PipelineConfig(0, 3, 1, 0, 2)
+    assert apply_action(c, ("fuse", "parse")) == PipelineConfig(1, 0, 3, 0, 2)
+    assert apply_action(c, ("fuse", "transform")) is None  # nothing staffed after it
+    assert apply_action(c, ("fuse", "assemble")) is None
     guard = MemoryGuard(Budget(cpus=2, memory_bytes=1 << 30))
     # Over the CPU budget, the in-process stages go first: the parse stays in its own process.
     assert shrink(PipelineConfig(1, 1, 1, 1, 2), guard) == PipelineConfig(0, 1, 1, 0, 1)
