@@ -26,6 +26,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from lightning_dlrover.advisor.resources import memory_limit_bytes
 from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.fault.inplace.supervisor import Supervisor, SupervisorConfig, serve_store
 
@@ -62,6 +63,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="with no hot spare left, a lost rank is not taken by a process started at the loss: the "
                         "survivors shrink in process and train on at the smaller world size (one machine; parity "
                         "needs k + r survivors, else every worker restarts)")
+    p.add_argument("--memory-limit-gb", type=float, default=None,
+                   help="memory the job may use on this machine (default: its cgroup limit, else the machine's "
+                        "memory); a shrink in process that would not fit in it restarts every worker instead")
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py [args] (or -m module [args])")
     args = p.parse_args(argv)
     if args.program[:1] == ["--"]:
@@ -77,6 +81,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for name in ("monitor_interval", "node_timeout"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0 seconds.")
+    if args.memory_limit_gb is not None and args.memory_limit_gb <= 0:
+        p.error(f"--memory-limit-gb {args.memory_limit_gb} must be > 0.")
+    args.memory_limit_bytes = int(args.memory_limit_gb * 2**30) if args.memory_limit_gb else memory_limit_bytes()
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} is outside [0, {args.nnodes}).")
     if args.spares == "auto":

@@ -44,15 +44,18 @@ def test_the_launchers_shrink_plan_names_the_new_world_size():
     assert not read.covered  # nobody takes rank 2: survivors must not wait for a replacement
 
 
-def test_a_shrink_below_k_plus_r_or_past_the_memory_forecast_is_refused_with_an_event(tmp_path, monkeypatch):
+def test_a_shrink_below_k_plus_r_or_past_the_machines_memory_is_refused_with_an_event(tmp_path, monkeypatch):
     assert shrink.refusal(4, [1], (2, 1)) is None  # 3 survivors hold k + r = 3
     why, message = shrink.refusal(3, [0], (2, 1))
     assert why == shrink.BELOW_PARITY and "2 survivors are fewer than k + r = 3" in message
     assert shrink.refusal(3, [0], None)[0] == shrink.NO_PARITY
     mib = 2**20
-    assert shrink.refusal(4, [3], (1, 1), moved_bytes=30 * mib, headroom_bytes=10 * mib) is None  # 10 MiB each
-    why, message = shrink.refusal(4, [3], (1, 1), moved_bytes=31 * mib, headroom_bytes=10 * mib)
-    assert why == shrink.WOULD_NOT_FIT and "10.3 MiB" in message, message
+    # the launcher's check: 4 ranks of 10 MiB each; the 3 survivors build 40 MiB of new shares beside their own
+    assert shrink.memory_refusal(10 * mib, 4, [3], 1000 * mib, 960 * mib, 500 * mib) is None
+    why, message = shrink.memory_refusal(10 * mib, 4, [3], 1000 * mib, 961 * mib, 500 * mib)
+    assert why == shrink.WOULD_NOT_FIT and "allocate 40 MiB" in message and "39 MiB left" in message, message
+    assert shrink.memory_refusal(10 * mib, 4, [3], 1000 * mib, 0, 39 * mib)[0] == shrink.WOULD_NOT_FIT  # the machine's
+    assert shrink.memory_refusal(0, 4, [3], 1000 * mib, 999 * mib, 0) is None  # nothing published: nothing known
     monkeypatch.setenv("LIGHTNING_DLROVER_EVENTS", str(tmp_path / "events.jsonl"))
     shrink.refuse(3, [0], why, message, step=7)
     (event,) = read_events([tmp_path / "events.jsonl"])

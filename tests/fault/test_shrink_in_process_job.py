@@ -92,3 +92,20 @@ def test_our_dlrm_shrinks_from_3_to_2_ranks_in_process_with_the_restart_paths_di
     digest = re.findall(r"state digest: ([0-9a-f]{64})", proc.stdout)[-1]
     reference = tmp_path / "restart"
     assert digest == restart_path_shrink(reference, (*job, f"--trainer.default_root_dir={reference}"))
+
+
+def test_a_shrink_the_machines_memory_cannot_take_restarts_every_worker_with_the_reason(tmp_path):
+    """The launcher checks the memory before it plans a shrink: under a job memory limit below what its 3 ranks
+    already hold, the plan it publishes refuses the shrink (``shrink_refused``, ``would_not_fit``, once, from the
+    launcher), the survivors leave without waiting, and the restarted job restores step 6 from their spills: nothing
+    is lost and the digest is the fault-free job's."""
+    digest, events, output = launch(tmp_path, "no-room", "--spares", "0", "--no-cold-start", "--memory-limit-gb",
+                                    "0.1", nproc=3, fault="rank=0,step=6,phase=before_forward")
+    refused = [e for e in events if e.kind == "shrink_refused"]
+    assert [e.fields["why"] for e in refused] == ["would_not_fit"], output[-4000:]
+    assert "launch --memory-limit-gb" in refused[0].message
+    kinds = [e.kind for e in events]
+    assert "shrink_planned" not in kinds and "shrunk_in_process" not in kinds and "restarting_all" in kinds
+    restored = next(e for e in events if e.kind == "restored")
+    assert (restored.step, restored.fields["lost_ranks"]) == (6, [0])
+    assert digest == fault_free(tmp_path / "reference", nproc=3)

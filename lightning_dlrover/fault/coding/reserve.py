@@ -88,14 +88,19 @@ def publish(store: Store, launch: int, nbytes: int) -> None:
         current = swapped
 
 
+def published(store: Store, launch: int) -> int:
+    """The largest rank's coded state and parity share in bytes, as the ranks published it (0 before they did)."""
+    key = _KEY.format(launch=launch)
+    return int(store.get(key)) if store.check([key]) else 0
+
+
 def prepare(store: Store, launch: int) -> Reserve | None:
     """On a hot spare before it waits for a rank: faults in the reserve the job's ranks published (``None`` when
     none did yet); :func:`take` hands it out once the spare is a replacement. Never raises: without a reserve the
     replacement allocates fresh memory."""
     global _reserve
     try:
-        key = _KEY.format(launch=launch)
-        nbytes = int(store.get(key)) if store.check([key]) else 0
+        nbytes = published(store, launch)
         _reserve = Reserve(nbytes) if nbytes else None
     except (RuntimeError, MemoryError, ValueError) as err:
         log.warning(f"this hot spare keeps no memory ready for a rank's state ({err}); a replacement allocates it")

@@ -66,6 +66,7 @@ class Plan:
     replacements: dict[int, int]
     reported_at: float
     world_size: int | None = None
+    refused: str | None = None  # why the launcher refused this shrink (a ``shrink_refused`` ``why``): no one goes on
 
     @property
     def covered(self) -> bool:
@@ -235,11 +236,12 @@ def publish_plan(store: Store, launch: int, lost: list[int], world_size: int, sp
     return plan
 
 
-def publish_shrink_plan(store: Store, launch: int, lost: list[int], world_size: int) -> Plan:
+def publish_shrink_plan(store: Store, launch: int, lost: list[int], world_size: int, refused: str | None = None) -> Plan:
     """Starts a new generation of launch ``launch`` in which the survivors of a world of ``world_size`` go on without
-    ``lost`` (no spare takes them) and publishes the plan for the survivors."""
+    ``lost`` (no spare takes them) and publishes the plan for the survivors; ``refused``: the launcher refused the
+    shrink for that reason, and the survivors leave for the restart path instead."""
     generation = int(store.add(PREFIX + f"{launch}/generation", 1))
-    plan = Plan(generation, sorted(lost), {}, time.time(), world_size - len(set(lost)))
+    plan = Plan(generation, sorted(lost), {}, time.time(), world_size - len(set(lost)), refused)
     _set(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {}})
     return plan
 

@@ -192,8 +192,8 @@ class InProcessRecovery:
             emit("in_process_refused", why="no recovery plan from the launcher", error=str(error)[:200],
                  message=f"rank {host.global_rank}: {type(error).__name__} and no rank reported lost: not recovering in process")
             return None
-        if host.global_rank in plan.lost:
-            return None  # a rank the launcher believes dead must not come back as a survivor
+        if host.global_rank in plan.lost or plan.refused:
+            return None  # a rank the launcher believes dead must not come back; a shrink it refused (it said why)
         self.times.lost_at = plan.reported_at
         if plan.shrinks:
             return self._shrink(host, plan, group.size())

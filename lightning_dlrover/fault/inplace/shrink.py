@@ -9,8 +9,8 @@ survivors do the same work without leaving their processes:
    (``shrink_planned``); the survivors take the ranks :func:`~lightning_dlrover.fault.restart.renumber.survivor_ranks`
    gives them (in order, gaps closed: what the restarted job numbers them);
 2. each survivor checks that the shrink can run (:func:`refusal`): below ``k + r`` ranks the parity of the smaller
-   world cannot be placed, and a shrink the advisor's memory forecast says would not fit must not be tried; a
-   refused shrink emits ``shrink_refused`` and raises the original error, and the launcher's restart path takes over;
+   world cannot be placed (the launcher has checked the memory: see below); a refused shrink emits
+   ``shrink_refused`` and raises the original error, and the launcher's restart path takes over;
 3. each survivor keeps its committed state as the restart path's spills, in memory (``FaultManager.leave_behind``),
    and the world group is reconfigured to the new generation with the new rank and world size
    (:meth:`~lightning_dlrover.fault.inplace.process_group.ReconfigurableGroup.reconfigure`);
@@ -24,8 +24,12 @@ survivors do the same work without leaving their processes:
 A shrink that fails half-way writes the spills it kept (the state before it) and raises the original error
 (``shrink_refused`` with ``why`` ``failed``): the launcher restarts every worker and they restore from the spills.
 
-Not built: the strategy passes no memory forecast (``would_not_fit`` is checked when one is given), a shrink across
-several machines (the launcher shrinks only a one-machine job), and ``ElasticBatchScaler``'s batch rule.
+Before publishing a shrink plan the launcher checks that this machine's memory can take it
+(:func:`memory_refusal`); when it cannot, the plan it publishes says so (``refused``), it emits ``shrink_refused``
+(``why`` ``would_not_fit``) and the survivors leave at once, so the restart path takes over without waiting.
+
+Not built: a shrink across several machines (the launcher shrinks only a one-machine job), and
+``ElasticBatchScaler``'s batch rule.
 
 Why not TorchRec's ``DistributedModelParallel.reshard`` (``torchrec/distributed/sharding/dynamic_sharding.py``, 1.8):
 it moves shards between the ranks of a fixed world. Its communication (``prepare_comm_ops``) is sized by the
@@ -38,6 +42,10 @@ kept in memory: its tested code, without writing the files).
 
 from __future__ import annotations
 
+import contextlib
+
+import psutil
+
 from lightning_dlrover.fault.restart.renumber import survivor_ranks
 from lightning_dlrover.monitor import emit
 
@@ -49,18 +57,15 @@ NO_SHRINKER = "no_shrinker"  # the strategy cannot re-shard its model in process
 FAILED = "failed"  # the shrink failed half-way: the survivors wrote the spills of the committed state and stop
 
 
-def refusal(world_size: int, lost: list[int], parity: tuple[int, int] | None, moved_bytes: float = 0.0,
-            headroom_bytes: float | None = None) -> tuple[str, str] | None:
+def refusal(world_size: int, lost: list[int], parity: tuple[int, int] | None) -> tuple[str, str] | None:
     """Why the ``world_size - len(lost)`` survivors cannot go on in process without ``lost``: ``(why, message)``, or
-    ``None`` when they can.
+    ``None`` when they can (each survivor checks; whether they fit in memory the launcher checks, see
+    :func:`memory_refusal`).
 
     Args:
         world_size: ranks before the loss.
         lost: the lost ranks.
         parity: the job's ``(k, r)``; ``None`` without parity (nothing to decode the lost shards from).
-        moved_bytes: the lost ranks' embedding and optimizer state, spread over the survivors by the shrink.
-        headroom_bytes: what one survivor can still allocate by the advisor's memory forecast (limit, less the
-            memory now and the next checkpoint's staging); ``None`` without a forecast.
     """
     survivors = len(survivor_ranks(world_size, lost))
     if parity is None:
@@ -70,12 +75,48 @@ def refusal(world_size: int, lost: list[int], parity: tuple[int, int] | None, mo
     if survivors < k + r:
         return BELOW_PARITY, (f"{survivors} survivors are fewer than k + r = {k + r} ranks, which the parity of the "
                               f"smaller world needs (k={k}, r={r}): lower k, or keep a spare (launch --spares 1)")
-    share = moved_bytes / max(survivors, 1)
-    if headroom_bytes is not None and share > headroom_bytes:
-        return WOULD_NOT_FIT, (f"each survivor would take {share / 2**20:.1f} MiB of the lost ranks' state and the "
-                               f"advisor's memory forecast leaves it {headroom_bytes / 2**20:.1f} MiB: keep a spare "
-                               "(launch --spares 1) or give the ranks more memory")
     return None
+
+
+def job_memory() -> tuple[int, int]:
+    """``(used, available)``: the bytes the calling launcher and every process below it hold resident, and the bytes
+    the machine can still hand out."""
+    used = 0
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):  # (gone meanwhile)
+            used += process.memory_info().rss
+    return used, psutil.virtual_memory().available
+
+
+def memory_refusal(state_bytes: int, world_size: int, lost: list[int], limit_bytes: int | None, used_bytes: int,
+                   available_bytes: int) -> tuple[str, str] | None:
+    """Why this machine's memory cannot take the shrink (the launcher's check, so that every survivor gets the same
+    answer in the plan): ``(WOULD_NOT_FIT, message)``, or ``None``.
+
+    Each survivor builds its share of the smaller world's state (``state_bytes x world_size / survivors``: tables,
+    optimizer state and parity share, ``state_bytes`` being a rank's now) while it keeps its own committed state
+    until the restore has filled the new one: the survivors together need ``state_bytes x world_size`` more.
+
+    Args:
+        state_bytes: the largest rank's coded state and parity share (what the ranks publish for hot spares).
+        world_size: ranks before the loss; lost: the lost ranks.
+        limit_bytes: the memory the job may use on this machine (``launch --memory-limit-gb``; default its cgroup
+            limit, else the machine's memory; ``None``: the machine's).
+        used_bytes: what the job's processes on this machine hold now (resident); available_bytes: what the machine
+            can still hand out.
+    """
+    survivors = len(survivor_ranks(world_size, lost))
+    limit_bytes = limit_bytes or psutil.virtual_memory().total
+    need = state_bytes * world_size
+    headroom = min(limit_bytes - used_bytes, available_bytes)
+    if not state_bytes or need <= headroom:
+        return None
+    mib = 2**20
+    return WOULD_NOT_FIT, (f"the {survivors} survivors would allocate {need / mib:.0f} MiB for the smaller world's "
+                           f"shares (each keeps its own state until the restore) and this machine has "
+                           f"{max(headroom, 0) / mib:.0f} MiB left under the job's memory limit of "
+                           f"{limit_bytes / mib:.0f} MiB ({used_bytes / mib:.0f} MiB in use): keep a spare "
+                           "(launch --spares 1) or give the job more memory (launch --memory-limit-gb)")
 
 
 def refuse(world_size: int, lost: list[int], why: str, message: str, step: int | None = None) -> None:

@@ -42,7 +42,9 @@ from dataclasses import dataclass, field
 from torch.distributed import TCPStore
 
 from lightning_dlrover import worker_env
+from lightning_dlrover.fault.coding import reserve
 from lightning_dlrover.fault.inplace import membership, priority, process_group, zygote
+from lightning_dlrover.fault.inplace.shrink import job_memory, memory_refusal, refuse
 from lightning_dlrover.fault.inplace.store import serve_store  # noqa: F401  (imported from here by cli/ and tests)
 from lightning_dlrover.fault.inplace.workers import SupervisorConfig, Worker
 from lightning_dlrover.fault.restart.renumber import survivor_ranks
@@ -269,7 +271,13 @@ class Supervisor:
         return plan.generation
 
     def shrink(self, lost: list[int]) -> int:
-        """No spare for ``lost``, none to start: the survivors go on without them (:mod:`.shrink`); the generation."""
+        """No spare for ``lost``, none to start: the survivors go on without them (:mod:`.shrink`), unless this
+        machine's memory cannot take it (the plan then says so and the survivors leave); the generation."""
+        refused = memory_refusal(reserve.published(self.store, self.restarts), self.live_world, lost,
+                                 self.args.memory_limit_bytes, *job_memory())
+        if refused is not None:
+            refuse(self.live_world, lost, *refused)
+            return membership.publish_shrink_plan(self.store, self.restarts, lost, self.live_world, refused[0]).generation
         numbers = survivor_ranks(self.live_world, lost)
         plan = membership.publish_shrink_plan(self.store, self.restarts, lost, self.live_world)
         for w in [w for w in self.workers if w.rank is not None]:

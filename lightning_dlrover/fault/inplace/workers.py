@@ -26,6 +26,7 @@ class SupervisorConfig:
     settle: float = 0.1  # seconds to wait after a first failure for others that come with it
     zygote: bool = True  # fork workers from a warm process that imported the libraries once (:mod:`.zygote`)
     cold_start: bool = True  # no spare left: a new process takes a lost rank (False: the survivors shrink, one machine)
+    memory_limit_bytes: int | None = None  # the job's memory on this machine (None: the machine's), for a shrink
 
 
 @dataclass
