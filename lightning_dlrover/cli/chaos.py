@@ -17,6 +17,9 @@ are kept under ``--workdir``. ``--script`` drills your own training script inste
 
     lightning-dlrover chaos --in-process --nodes 1 --nproc-per-node 2 --kill-rank 1 --at-step 12
 
+``--shrink`` (with ``--in-process``) starts no spare: the survivors shrink in process, and the drill compares them with
+the same job shrunk by the restart path (:mod:`lightning_dlrover.cli.chaos_shrink`).
+
 ``--kills N`` drills at a kill rate instead, in every mode (``--in-process``; ``torchrun`` restarts that decode
 the survivors' spills; with ``--no-parity``, restarts from the last checkpoint): N SIGKILLs of a random rank
 (see :mod:`lightning_dlrover.cli.chaos_kills` for when), reported against a fault-free run of the same mode
@@ -45,7 +48,7 @@ from pathlib import Path
 import psutil
 from torch.distributed import TCPStore
 
-from lightning_dlrover.cli import chaos_kills
+from lightning_dlrover.cli import chaos_kills, chaos_shrink
 from lightning_dlrover.cli.chaos_report import drill_facts, summarize
 from lightning_dlrover.fault.inplace.supervisor import serve_store
 from lightning_dlrover.fault.points import FAULT_ENV, PHASES, VERIFY_PARITY_ENV
@@ -131,7 +134,7 @@ class Cluster:
         if a.in_process:  # our launcher: node 0 hosts the job's store on the port this runner reserved
             command = [
                 sys.executable, "-m", "lightning_dlrover", "launch", "--nnodes", str(a.nodes), "--node-rank", str(index),
-                "--nproc-per-node", str(a.nproc_per_node), "--spares", str(a.spares), "--run-id", self.run_id,
+                "--nproc-per-node", str(a.nproc_per_node), *chaos_shrink.launch_options(a), "--run-id", self.run_id,
                 "--max-restarts", str(max(3, a.kills + 1)),
                 "--master", f"127.0.0.1:{self.port}", "--", *self._program(),
             ]  # fmt: skip
@@ -149,12 +152,7 @@ class Cluster:
         self.job.logs.append(log)
 
     def _program(self) -> list[str]:
-        a = self.args
-        if a.script is not None:
-            return [str(a.script), *a.overrides]
-        return ["-m", "lightning_dlrover", "fit", "--config", str(a.config),
-                f"--trainer.default_root_dir={self.job.workdir}", *([NO_PARITY] if a.no_parity else []),
-                *a.overrides, *self.extra]
+        return program(self.args, self.job.workdir, self.extra)
 
     def wait(self, until: float) -> bool:
         """Waits for every agent to exit; ``False`` if one is still running at time ``until``."""
@@ -171,8 +169,19 @@ class Cluster:
         shutil.rmtree(self.spill_root, ignore_errors=True)
 
 
+def program(args: argparse.Namespace, workdir: Path, extra: list[str] | None = None) -> list[str]:
+    """The job's command line after the interpreter: the ``--script``, or ``fit`` of the ``--config`` in ``workdir``."""
+    if args.script is not None:
+        return [str(args.script), *args.overrides]
+    return ["-m", "lightning_dlrover", "fit", "--config", str(args.config), f"--trainer.default_root_dir={workdir}",
+            *([NO_PARITY] if args.no_parity else []), *args.overrides, *(extra or [])]
+
+
 def _reference_run(args: argparse.Namespace) -> Run:
-    """The same job without a fault, in the same mode."""
+    """The same job without a fault, in the same mode (for ``--shrink``: the job shrunk by the restart path)."""
+    if args.shrink:
+        return Run(*chaos_shrink.restart_path_shrink(args, program(args, args.workdir / "reference"),
+                                                     args.workdir / "reference"))
     cluster = Cluster(args, "reference", args.nodes, _reference_overrides(args))
     try:
         started = time.time()
@@ -279,6 +288,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="launch with `lightning-dlrover launch` and kill one rank: survivors recover in process")
     parser.add_argument("--spares", type=int, default=1, help="hot spares per node (--in-process)")
     parser.add_argument("--kill-rank", type=int, default=0, help="rank to kill (--in-process)")
+    parser.add_argument("--shrink", action="store_true", help=chaos_shrink.HELP)
     parser.add_argument("--kills", type=int, default=0,
                         help="instead of one kill at --at-step, SIGKILL a random rank this many times (any mode), each a "
                              "random 0..--kill-jitter s after the job committed a step past the previous recovery")
@@ -343,6 +353,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      "(at --at-step or the commit before it) would have nothing to compare with")
     if args.kill_all and (args.replace or args.rejoin_after is not None):
         parser.error("--kill-all restarts the same nodes; leave out --replace and --rejoin-after")
+    chaos_shrink.check(parser, args)
     args.workdir = args.workdir.resolve()
     args.config = args.config.resolve()
     args.script = args.script.resolve() if args.script is not None else None
@@ -355,14 +366,15 @@ def _reference(args: argparse.Namespace) -> Run | None:
     if args.no_reference:
         return None
     program = (args.script or args.config).read_bytes()
-    mode = [args.in_process, args.spares if args.in_process else None, args.no_parity]
+    mode = [args.in_process, args.spares if args.in_process else None, args.no_parity, args.shrink]
     key = hashlib.sha256(repr([program, args.nodes, args.nproc_per_node, args.overrides + _reference_overrides(args),
                                *mode]).encode())
     cached = args.workdir / f"reference-{key.hexdigest()[:16]}.jsonl"
     wall = cached.with_suffix(".wall.json")
     if args.reuse_reference and cached.is_file():
         return Run(True, read_events([cached]), json.loads(wall.read_text())["wall_s"] if wall.is_file() else None)
-    print("chaos: fault-free reference run ...", flush=True)
+    print("chaos: " + ("the same job shrunk by the restart path" if args.shrink else "fault-free reference run")
+          + " ...", flush=True)
     reference = _reference_run(args)
     if reference.finished:
         shutil.copy(args.workdir / "reference" / "events.jsonl", cached)

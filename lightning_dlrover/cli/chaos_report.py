@@ -10,7 +10,8 @@ from lightning_dlrover.cli.chaos_kills import newest_digest
 from lightning_dlrover.monitor.events import Event
 
 #: How a job came back from a kill, by the event that says so.
-RECOVERY_KINDS = {"recovered_in_process": "in process", "restored": "restart + decode", "fallback": "checkpoint"}
+RECOVERY_KINDS = {"recovered_in_process": "in process", "restored": "restart + decode", "fallback": "checkpoint",
+                  "shrunk_in_process": "shrunk in process"}
 
 
 def _digests(events: list[Event], after: float = 0.0) -> dict[int, str]:
@@ -23,6 +24,10 @@ def _digests(events: list[Event], after: float = 0.0) -> dict[int, str]:
 
 
 def _describe_recovery(e: Event) -> str:
+    if e.kind == "shrunk_in_process":
+        return (f"yes, shrunk in process from {e['old_world_size']} to {e['world_size']} ranks (the survivors kept "
+                f"training in their processes without ranks {e['lost_ranks']}; recovered step {e.step}; decode "
+                f"{e['decode_s']:.3f} s, re-shard {e['reshard_s']:.3f} s)")
     if e.kind == "recovered_in_process":
         return (f"yes, in process (survivors kept training in their processes; ranks {e['lost_ranks']} replaced; "
                 f"recovered step {e.step}; decode {e['decode_s']:.3f} s, re-shard {e['reshard_s']:.3f} s)")
@@ -53,10 +58,13 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     confirmed = _resumed_generations(events, in_process, generations)
     in_process = [e for e in in_process if generations and e["lost_at"] == generations[0]]  # the first kill's
     recoveries = [e for e in events if e.kind in ("restored", "fallback") and e.time >= after]
+    shrunk = [e for e in events if e.kind == "shrunk_in_process" and e.time >= after]
+    if shrunk and (not recoveries or shrunk[0].time < recoveries[0].time):
+        recoveries = [min(shrunk, key=lambda e: e.rank)] + recoveries
     if in_process and (not recoveries or in_process[0].time < recoveries[0].time):  # the first kill's recovery first
         recoveries = [e for e in in_process if e.rank == min(x.rank for x in in_process)] + recoveries
     stopped = [e.time for e in events if e.kind == "stopped" and e.time >= after]
-    stopped += [e["failed_at"] for e in in_process if e["failed_at"] is not None]
+    stopped += [e["failed_at"] for e in in_process + shrunk if e["failed_at"] is not None]
     resumed = [e.time for e in events if e.kind == "resumed" and e.time >= after]
     finals = [e["digest"] for e in events if e.kind == "digest" and e["final"]]
     fault_free = ([e["digest"] for e in reference if e.kind == "digest" and e["final"]] or [None])[-1] if reference else None
@@ -66,7 +74,7 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     unseeded = _unseeded(events, reference)
     lines = [
         f"nodes: {args.nodes} x {args.nproc_per_node} ranks; killed {victim} at step {args.at_step} ({args.phase}); "
-        f"replacement: {f'a hot spare ({args.spares} per node)' if args.in_process and args.spares else 'started cold' if args.in_process else 'yes' if args.replace else 'no' if args.kill_all else 'no (shrink)'}"
+        f"replacement: {'none (the survivors shrink in process)' if getattr(args, 'shrink', False) else f'a hot spare ({args.spares} per node)' if args.in_process and args.spares else 'started cold' if args.in_process else 'yes' if args.replace else 'no' if args.kill_all else 'no (shrink)'}"
         + (f", a node rejoins {args.rejoin_after} s after it resumed" if args.rejoin_after is not None else ""),
         f"node killed: {'yes' if kill is not None else 'no'}",
     ]
@@ -95,7 +103,8 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
                          "rank, set up its trainer and sharded its model)")
         lines.append(f"decode: {max(e['decode_s'] + e['reshard_s'] for e in in_process):.3f} s")
     if kill is not None and first is not None:
-        what = "replacement, communicator, decode" if in_process else "restart, rendezvous, decode, re-shard"
+        what = ("replacement, communicator, decode" if in_process else "plan, communicator, re-shard, decode"
+                if first.kind == "shrunk_in_process" else "restart, rendezvous, decode, re-shard")
         lines.append(f"state restored: {first.time - kill.time:.2f} s after the kill ({what})")
     if kill is not None and resumed:
         lines.append(f"time to resume: {resumed[0] - kill.time:.2f} s (kill to the first committed step after)")
@@ -110,8 +119,9 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
         lines.append(f"kills: {kills}; recovered in process: {confirmed}; full restarts: {restarts}")
     lines.append(f"job finished: {'yes' if finished else 'no'}")
     lines.append(f"final digest: {finals[-1] if finals else 'none'}")
+    reference_name = "the restart path's shrink" if getattr(args, "shrink", False) else "fault-free"
     if fault_free is not None:
-        lines.append(f"fault-free digest: {fault_free}")
+        lines.append(f"{reference_name} digest: {fault_free}")
     match = bool(finals) and fault_free is not None and finals[-1] == fault_free and finished
     why = "" if reference else " (no fault-free run to compare)"
     if reference and args.reference_steps is not None:
@@ -154,7 +164,7 @@ def committed_at(events: list[Event], kill: Event, recovery: Event | None) -> in
     the survivors spilled, the step a fallback's progress records reached; else the newest step digested before."""
     if kill["committed_step"] is not None:
         return kill["committed_step"]
-    if recovery is not None and recovery.kind == "recovered_in_process":
+    if recovery is not None and recovery.kind in ("recovered_in_process", "shrunk_in_process"):
         return recovery.step
     if recovery is not None and recovery.kind == "fallback" and recovery["failed_step"] is not None:
         return recovery["failed_step"]

@@ -15,6 +15,7 @@ import pytest
 from lightning_dlrover.monitor.events import read_events
 from tests.conftest import run
 from tests.fault.test_in_process import SCRIPT, fault_free, free_port, launch
+from tests.fault.test_node_loss import drill
 
 pytestmark = pytest.mark.slow
 
@@ -109,3 +110,16 @@ def test_a_shrink_the_machines_memory_cannot_take_restarts_every_worker_with_the
     restored = next(e for e in events if e.kind == "restored")
     assert (restored.step, restored.fields["lost_ranks"]) == (6, [0])
     assert digest == fault_free(tmp_path / "reference", nproc=3)
+
+
+def test_chaos_drills_a_shrink_in_process_against_the_restart_paths_shrink(tmp_path):
+    """``chaos --in-process --shrink``: the user's model on 3 ranks, rank 0 killed before step 6 with no spare; the
+    report says the survivors shrank in process, nothing was lost, and the final digest equals the same job shrunk by
+    the restart path (which the drill runs as its reference: torchrun at 3 ranks, then at 2 from the spills)."""
+    summary = drill(str(tmp_path), "--in-process", "--shrink", "--nodes", "1", "--nproc-per-node", "3",
+                    "--kill-rank", "0", "--at-step", "6", "--script", SCRIPT, "--", "--steps", "12")
+    assert summary["recovered"].startswith("yes, shrunk in process from 3 to 2 ranks"), summary
+    assert summary["restored state equals the fault-free state at step 6"] == "yes", summary
+    assert summary["steps lost"] == "0" and summary["job finished"] == "yes"
+    assert summary["digest match"] == "yes", summary
+    assert "the restart path's shrink digest" in summary

@@ -1,0 +1,80 @@
+"""``chaos --in-process --shrink``: a shrink drill, and its reference, the same job shrunk by the restart path.
+
+With no spare and none started (``launch --spares 0 --no-cold-start``) a lost rank leaves the survivors training at
+``N - 1`` ranks in their own processes (:mod:`lightning_dlrover.fault.inplace.shrink`). They must end where the
+restart path ends: the job at ``N`` ranks under ``torchrun`` with the same rank killed at the same point and no
+restart left (the survivors spill their committed state), then ``torchrun`` at ``N - 1`` ranks, which decodes the
+lost rank from the spills and re-shards onto the smaller world (what ``torchrun --nnodes MIN:MAX`` restarts do). A
+fault-free run at ``N`` ranks is no reference: each rank's share of the global batch changes with the world size, so
+the floating-point sums differ from the shrink on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from lightning_dlrover.fault.inplace.store import serve_store
+from lightning_dlrover.fault.points import FAULT_ENV
+from lightning_dlrover.fault.restart.spill import JOB_ID_ENV, SPILL_ENV
+from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV, EVENTS_ENV, Event, read_events
+
+HELP = ("with --in-process: no spare and none started at the loss (launch --spares 0 --no-cold-start): the "
+        "survivors shrink in process; the reference is the same job shrunk by the restart path (torchrun at N "
+        "ranks, then at N - 1 from the survivors' spills)")
+
+
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses a ``--shrink`` drill the launcher cannot run (before any job starts)."""
+    if not args.shrink:
+        return
+    if not args.in_process or args.kills or args.nodes != 1:
+        parser.error("--shrink drills one rank lost in process on one machine: give --in-process --nodes 1 and "
+                     "--at-step, without --kills")
+    if args.nproc_per_node < 3:
+        parser.error(f"--shrink needs --nproc-per-node >= 3: {args.nproc_per_node - 1} survivor(s) cannot hold the "
+                     "parity of k=1 r=1 (k + r ranks)")
+
+
+def launch_options(args: argparse.Namespace) -> list[str]:
+    """The ``launch`` options of the drill's job: ``--spares N``, or none and no cold start for a shrink."""
+    return ["--spares", "0", "--no-cold-start"] if args.shrink else ["--spares", str(args.spares)]
+
+
+def restart_path_shrink(args: argparse.Namespace, program: list[str], workdir: Path) -> tuple[bool, list[Event], float | None]:
+    """Runs the job shrunk by the restart path in ``workdir`` (see the module docs): ``(finished, events, wall)``."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    job = f"shrink-reference-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, DIGEST_EVERY_ENV)}
+    env.update({SPILL_ENV: str(workdir / "spill"), JOB_ID_ENV: job, EVENTS_ENV: str(workdir / "events.jsonl"),
+                DIGEST_EVERY_ENV: "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    started, deadline = time.time(), time.time() + args.timeout
+    n = args.nproc_per_node
+    store, sock = serve_store("127.0.0.1:0")  # the rendezvous, on 127.0.0.1 only (torchrun's own binds every interface)
+    try:
+        for nproc, fault in ((n, f"rank={args.kill_rank},step={args.at_step},phase={args.phase}"), (n - 1, None)):
+            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+                       "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{sock.getsockname()[1]}",
+                       f"--rdzv-id={job}-{nproc}", f"--rdzv-conf=is_host=false,join_timeout={args.timeout}",
+                       "--max-restarts", "0", *program]
+            with open(workdir / f"torchrun{nproc}.log", "w") as log:
+                try:
+                    code = subprocess.run(command, env={**env, **({FAULT_ENV: fault} if fault else {})}, stdout=log,
+                                          stderr=subprocess.STDOUT, cwd=workdir,
+                                          timeout=max(deadline - time.time(), 1)).returncode
+                except subprocess.TimeoutExpired:
+                    return False, read_events([workdir / "events.jsonl"]), None
+            if fault is None and code != 0:
+                return False, read_events([workdir / "events.jsonl"]), None
+    finally:
+        sock.close()
+        del store
+        shutil.rmtree(workdir / "spill", ignore_errors=True)
+    return True, read_events([workdir / "events.jsonl"]), time.time() - started
