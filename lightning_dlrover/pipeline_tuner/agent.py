@@ -14,9 +14,9 @@ Design (one decision per measurement window, ``window_s`` seconds each):
   the incumbent: ``I C I C I C I`` (``pairs`` candidate windows, each compared with the mean of the incumbent
   windows on either side of it, so a drift of the machine's load cancels; the incumbent's window before a
   trial is the last one of the previous trial). A candidate is **kept only if it beats the incumbent in every
-  pair, and on average by ``min_gain`` (3%) and by twice the incumbent's own noise** (the median half-difference
+  pair by ``min_gain`` (3%), and on average by twice the incumbent's own noise** (the median half-difference
   of its adjacent windows; a candidate clearly ahead after two pairs, or by twice that margin after one, is kept
-  at once); the first pair it does not beat ends the trial (two windows for a plain loser), and
+  at once); the first pair that does not ends the trial (two windows for a plain loser), and
   the candidate is **undone** (back to the incumbent). So a tuner that finds no gain keeps the start, and no
   comparison is against a stale number. The job's first window is a warm-up and not compared.
 - **State**: the bottleneck, read from the incumbent's last window: the consumer (``trainer``) when it waited
@@ -281,7 +281,7 @@ class RLTuner:
         ratios = [c / max((inc[i] + inc[i + 1]) / 2, 1e-9) for i, c in enumerate(cand)]
         mean_gain = sum(ratios) / len(ratios) - 1
         self._noise.append(abs(inc[-1] - inc[-2]) / max(inc[-1] + inc[-2], 1e-9))  # the incumbent against itself
-        failed = ratios[-1] <= 1.0  # no gain in this pair: a loser ends here; a small gain is measured 3 times
+        failed = ratios[-1] <= 1 + self.min_gain
         noise = sorted(self._noise)[len(self._noise) // 2]  # median half-difference of adjacent incumbent windows
         margin = max(3 * self.min_gain, 4 * noise)
         # no third pair needed; a gain of twice the margin needs no second (a parse-bound pipeline on many cores
