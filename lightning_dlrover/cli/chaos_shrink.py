@@ -57,12 +57,14 @@ def restart_path_shrink(args: argparse.Namespace, program: list[str], workdir: P
                 DIGEST_EVERY_ENV: "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     started, deadline = time.time(), time.time() + args.timeout
     n = args.nproc_per_node
-    store, sock = serve_store("127.0.0.1:0")  # the rendezvous, on 127.0.0.1 only (torchrun's own binds every interface)
     try:
         for nproc, fault in ((n, f"rank={args.kill_rank},step={args.at_step},phase={args.phase}"), (n - 1, None)):
+            # the same run id for both (the spills name the run that wrote them); a rendezvous store of its own each,
+            # on 127.0.0.1 only (torchrun's own binds every interface)
+            store, sock = serve_store("127.0.0.1:0")
             command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
                        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{sock.getsockname()[1]}",
-                       f"--rdzv-id={job}-{nproc}", f"--rdzv-conf=is_host=false,join_timeout={args.timeout}",
+                       f"--rdzv-id={job}", f"--rdzv-conf=is_host=false,join_timeout={args.timeout}",
                        "--max-restarts", "0", *program]
             with open(workdir / f"torchrun{nproc}.log", "w") as log:
                 try:
@@ -71,10 +73,16 @@ def restart_path_shrink(args: argparse.Namespace, program: list[str], workdir: P
                                           timeout=max(deadline - time.time(), 1)).returncode
                 except subprocess.TimeoutExpired:
                     return False, read_events([workdir / "events.jsonl"]), None
+                finally:
+                    sock.close()
+                    del store
             if fault is None and code != 0:
                 return False, read_events([workdir / "events.jsonl"]), None
     finally:
-        sock.close()
-        del store
         shutil.rmtree(workdir / "spill", ignore_errors=True)
-    return True, read_events([workdir / "events.jsonl"]), time.time() - started
+    events = read_events([workdir / "events.jsonl"])
+    if not any(e.kind == "restored" for e in events):  # the N - 1 job started afresh: no reference for a shrink
+        print(f"chaos: the restart path's shrink did not restore from the spills (see {workdir}/torchrun{n - 1}.log)",
+              file=sys.stderr, flush=True)
+        return False, events, None
+    return True, events, time.time() - started
