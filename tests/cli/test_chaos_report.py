@@ -174,7 +174,8 @@ def test_a_kills_drill_reports_recoveries_by_kind_steps_lost_and_goodput():
     ]
     args = parse_args(["--nodes", "1", "--kills", "2", "--no-parity"])
     facts = drill_facts(args, True, events, REFERENCE, (80.0, 60.0), (2, ""))
-    assert facts["recoveries"] == {"in process": 0, "restart + decode": 1, "checkpoint": 1, "start over": 0}
+    assert facts["recoveries"] == {"in process": 0, "restart + decode": 1, "checkpoint": 1, "shrunk in process": 0,
+                                   "start over": 0}
     assert facts["steps_lost"] == 10 and [k["committed_step"] for k in facts["kills"]] == [5, 20]
     assert facts["goodput"] == 0.75 and facts["digest_match"] is True
     assert facts["mode"] == "torchrun, checkpoint only"

@@ -123,3 +123,18 @@ def test_chaos_drills_a_shrink_in_process_against_the_restart_paths_shrink(tmp_p
     assert summary["steps lost"] == "0" and summary["job finished"] == "yes"
     assert summary["digest match"] == "yes", summary
     assert "the restart path's shrink digest" in summary
+
+
+def test_a_rank_lost_during_a_shrink_is_rolled_back_like_any_other_loss(tmp_path):
+    """4 ranks, no spare: rank 0 is SIGKILLed before step 6 and, while the 3 survivors shrink, the second of them
+    (rank 1 of the new world, rank 2 before) is SIGKILLed too. The two left write the spills of step 6 they kept, the
+    launcher restarts every worker, and the job restores step 6 at 4 ranks, decoding ranks 0 and 2 (different parity
+    groups of k=1 r=1): nothing is lost, and the job ends with the fault-free digest."""
+    faults = "rank=0,step=6,phase=before_forward;rank=1,step=6,phase=during_recovery"
+    digest, events, output = launch(tmp_path, "twice", "--spares", "0", "--no-cold-start", nproc=4, fault=faults)
+    kinds = [e.kind for e in events]
+    assert "shrunk_in_process" not in kinds and "restarting_all" in kinds, output[-4000:]
+    assert {e.fields["why"] for e in events if e.kind == "shrink_refused"} == {"failed"}
+    restored = next(e for e in events if e.kind == "restored")
+    assert (restored.step, restored.fields["world_size"], restored.fields["lost_ranks"]) == (6, 4, [0, 2])
+    assert digest == fault_free(tmp_path / "reference", nproc=4)
