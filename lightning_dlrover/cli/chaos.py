@@ -180,8 +180,7 @@ def program(args: argparse.Namespace, workdir: Path, extra: list[str] | None = N
 def _reference_run(args: argparse.Namespace) -> Run:
     """The same job without a fault, in the same mode (for ``--shrink``: the job shrunk by the restart path)."""
     if args.shrink:
-        return Run(*chaos_shrink.restart_path_shrink(args, program(args, args.workdir / "reference"),
-                                                     args.workdir / "reference"))
+        return Run(*chaos_shrink.restart_path_shrink(args, program(args, args.workdir / "reference")))
     cluster = Cluster(args, "reference", args.nodes, _reference_overrides(args))
     try:
         started = time.time()
@@ -373,8 +372,7 @@ def _reference(args: argparse.Namespace) -> Run | None:
     wall = cached.with_suffix(".wall.json")
     if args.reuse_reference and cached.is_file():
         return Run(True, read_events([cached]), json.loads(wall.read_text())["wall_s"] if wall.is_file() else None)
-    print("chaos: " + ("the same job shrunk by the restart path" if args.shrink else "fault-free reference run")
-          + " ...", flush=True)
+    print(f"chaos: {'the job shrunk by the restart path' if args.shrink else 'fault-free reference run'} ...", flush=True)
     reference = _reference_run(args)
     if reference.finished:
         shutil.copy(args.workdir / "reference" / "events.jsonl", cached)

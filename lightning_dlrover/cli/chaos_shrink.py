@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 from lightning_dlrover.fault.inplace.store import serve_store
 from lightning_dlrover.fault.points import FAULT_ENV
@@ -47,8 +46,10 @@ def launch_options(args: argparse.Namespace) -> list[str]:
     return ["--spares", "0", "--no-cold-start"] if args.shrink else ["--spares", str(args.spares)]
 
 
-def restart_path_shrink(args: argparse.Namespace, program: list[str], workdir: Path) -> tuple[bool, list[Event], float | None]:
-    """Runs the job shrunk by the restart path in ``workdir`` (see the module docs): ``(finished, events, wall)``."""
+def restart_path_shrink(args: argparse.Namespace, program: list[str]) -> tuple[bool, list[Event], float | None]:
+    """Runs the job shrunk by the restart path in ``<--workdir>/reference`` (see the module docs): ``(finished,
+    events, wall)``."""
+    workdir = args.workdir / "reference"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     job = f"shrink-reference-{uuid.uuid4().hex[:8]}"
