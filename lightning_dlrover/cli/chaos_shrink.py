@@ -49,13 +49,15 @@ def launch_options(args: argparse.Namespace) -> list[str]:
 def restart_path_shrink(args: argparse.Namespace, program: list[str]) -> tuple[bool, list[Event], float | None]:
     """Runs the job shrunk by the restart path in ``<--workdir>/reference`` (see the module docs): ``(finished,
     events, wall)``."""
+    from lightning_dlrover.cli.chaos import STORE_ENV  # (chaos imports this module)
+
     workdir = args.workdir / "reference"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     job = f"shrink-reference-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, DIGEST_EVERY_ENV)}
     env.update({SPILL_ENV: str(workdir / "spill"), JOB_ID_ENV: job, EVENTS_ENV: str(workdir / "events.jsonl"),
-                DIGEST_EVERY_ENV: "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+                DIGEST_EVERY_ENV: "1", **STORE_ENV})
     started, deadline = time.time(), time.time() + args.timeout
     n = args.nproc_per_node
     try:
