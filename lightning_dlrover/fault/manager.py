@@ -20,9 +20,11 @@ Below it: :mod:`.coding` (coded embeddings), :mod:`.restart` (spills, restore ac
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,18 @@ from lightning_dlrover.monitor import StepTimer, emit
 from lightning_dlrover.worker_env import restart_count, under_torchrun
 
 log = get_logger(__name__)
+
+
+@contextlib.contextmanager
+def sigterm_ignored() -> Iterator[None]:
+    """SIGTERM is ignored while a rank writes its spills. The launcher SIGTERMs every worker when it restarts the job,
+    and Lightning's own SIGTERM handler broadcasts over the world group: with a peer gone, that broadcast raises inside
+    the write, and the spill the restart needs would be lost. The launcher's SIGKILL after its grace still ends it."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class FaultManager(CommitProtocol, LauncherFacts):
@@ -233,16 +247,14 @@ class FaultManager(CommitProtocol, LauncherFacts):
             return
         if self._host is None or self._spill_dir is None or self.coded is None or self.committed_step < 0:
             return  # nothing committed yet (the failure came during set-up): a spill would only mislead a restart
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher SIGTERMs a failed node's workers
         stopped, ahead = time.time(), None
         try:
-            if (ahead := self._tentative_spill()) is not None:  # written before the rollback below
-                write_spill(self._spill_dir, ahead)
-            path = write_spill(self._spill_dir, self._committed_spill())
+            with sigterm_ignored():
+                if (ahead := self._tentative_spill()) is not None:  # written before the rollback below
+                    write_spill(self._spill_dir, ahead)
+                path = write_spill(self._spill_dir, self._committed_spill())
         except (OSError, UnsafeSpillDir) as err:
             path = f"nothing ({err})"
-        finally:
-            signal.signal(signal.SIGTERM, previous)
         tentative = ahead.step if ahead is not None else None
         emit("stopped", step=self.committed_step, reason=reason, spill=str(path), spill_s=time.time() - stopped,
              tentative_step=tentative, message=f"rank {self._host.global_rank} stopped at {stopped:.3f} ({reason}); "
@@ -342,8 +354,9 @@ class FaultManager(CommitProtocol, LauncherFacts):
         """A shrink in process failed half-way: writes the spills :meth:`leave_behind` kept (the committed state from
         before it) for the restart path; this rank spills nothing more when it stops."""
         self._left_behind = True
-        for spill in spills if self._spill_dir is not None else []:
-            write_spill(self._spill_dir, spill)
+        with sigterm_ignored():
+            for spill in spills if self._spill_dir is not None else []:
+                write_spill(self._spill_dir, spill)
 
     def restore_in_place(self, host: Host, spills: list[Spill]) -> RecoveryReport:
         """After a shrink in process sharded ``host.model`` anew for the smaller world: decodes the lost ranks and

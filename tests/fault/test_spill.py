@@ -164,3 +164,25 @@ def test_a_drills_node_directory_creates_the_default_root_private(tmp_path):
     for directory in (root, root / "drill-1234", node):
         assert stat.S_IMODE(os.lstat(directory).st_mode) == 0o700, directory
     assert ensure_private_dir(root / "job-5678") == root / "job-5678"  # a later job's default directory
+
+
+def test_a_sigterm_while_spilling_neither_interrupts_the_write_nor_outlives_it():
+    """The launcher SIGTERMs every worker when it restarts the job, and Lightning's SIGTERM handler broadcasts over the
+    world group, which raises with a peer gone: inside a spill write that lost the spill a restart needed (the shrink
+    that failed half-way then started over from step 0). A real SIGTERM to this process, with a handler that raises."""
+    import signal
+
+    from lightning_dlrover.fault.manager import sigterm_ignored
+
+    def broadcast_with_a_peer_gone(signum, frame):
+        raise RuntimeError("Connection closed by peer")
+
+    previous = signal.signal(signal.SIGTERM, broadcast_with_a_peer_gone)
+    try:
+        with sigterm_ignored():
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) is broadcast_with_a_peer_gone
+        with pytest.raises(RuntimeError, match="closed by peer"):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
