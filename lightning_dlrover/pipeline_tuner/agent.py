@@ -362,8 +362,8 @@ class RLTuner:
                         f"(bottleneck {state[0]})", self.guard.predict(candidate))
 
     def _second_look(self, obs: Observation, prefix: str) -> Decision | None:
-        """Before converging: the near miss of the incumbent with the largest mean gain (all its pairs run, ahead on
-        average, not in every pair by ``min_gain``), tried again with windows ``LOOK_SCALE`` times longer and kept if
+        """Before converging: the near miss of the incumbent with the largest mean gain (ahead on average over the
+        pairs it ran, not by ``min_gain`` in every pair), tried again with windows ``LOOK_SCALE`` times longer and kept if
         it is ahead in every pair and by ``min_gain / 2`` on average; ``None`` when there is none left to look at."""
         near = {c: v for (i, c), v in self._near.items() if i == self.incumbent and (i, c) not in self._looked}
         if not near or sum(i == self.incumbent for i, _ in self._looked) >= LOOKS:
