@@ -41,7 +41,7 @@ def test_staging_brings_the_forecast_closer():
 def test_advisor_forecasts_the_first_asynchronous_save(tmp_path):
     """A real 2-rank job with asynchronous checkpoints and the advisor, whose node limit leaves 16 MiB of headroom (no
     growth to speak of): the staging copy of the first save (~85 MiB of tables and their state) does not fit, and the
-    forecast says so at the first check, before any save; the same job with blocking saves gets no forecast."""
+    forecast says so at the first check, before any save; the same job with blocking saves gets no staging forecast."""
     common = ["--devices", "2", "--advisor", "--profile-steps", "0", "--check-every", "5", "--steps", "20",
               "--rows", "50000", "--leak-mb", "0.001", "--leak-from", "3", "--headroom-mb", "16"]
     out, events = job(tmp_path / "async", *common, "--async-ckpt")
@@ -51,4 +51,6 @@ def test_advisor_forecasts_the_first_asynchronous_save(tmp_path):
     assert forecast.step == 5 and forecast["staging_bytes"] > 32 * 2**20 and forecast["steps_to_oom"] == 0, forecast
     assert "staging copy of the first asynchronous checkpoint" in out
     _, blocking = job(tmp_path / "blocking", *common)
-    assert [e for e in blocking if e.kind == "oom_forecast"] == []
+    # (the blocking job may still see a growth forecast: 16 MiB of headroom is within what a loaded machine's
+    # allocator takes over a few steps; what it must not see is a staging copy, which blocking saves never make)
+    assert [e for e in blocking if e.kind == "oom_forecast" and e["staging_bytes"]] == []
