@@ -55,9 +55,9 @@ Design (one decision per measurement window, ``window_s`` seconds each):
 
 Cost: a rejected trial is 2 windows, a kept one 5-7, each switch a pipeline reset (a rebuild at the current
 sample, 0.2-0.5 s on 2 cores). On few cores the trainer is the bottleneck and the prior tries fewer workers first:
-on a quiet 2-core machine (``bench/bench_pipeline_oracle.py``, a 12-point grid, 4 interleaved rounds) the agent ended
-at 0.95 of the grid oracle at 2 ranks and 0.90 at 1 rank (prefetch 1 where all inline is 4% faster: within the noise
-of its windows there), 1.10-1.11x the default, never below it. On many cores a parse-bound pipeline is the
+on a 2-core machine (``bench/bench_pipeline_oracle.py``, a 12-point grid, 4 interleaved rounds) the agent ended at
+0.95 of the grid oracle at 2 ranks and, with second looks, 0.92 at 1 rank (all inline in 2 of 4 rounds; the four best
+settings are within 3.5% there, inside the noise of its windows), 1.09-1.11x the default, never below it. On many cores a parse-bound pipeline is the
 bottleneck and the agent grows the busy stages geometrically (1, 2, 3, 4, 6, 9...), fuses stages once the cores are
 spent, and keeps a large gain after one pair. On a model calibrated on that machine (``bench/bench_pipeline_scale.py``,
 a trainer at 2M-8M samples/s, 8-64 cores) it ends at 0.95-1.00 of the grid oracle within 2 minutes of pipeline time,
