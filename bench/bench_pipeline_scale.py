@@ -44,7 +44,6 @@ from lightning_dlrover.data.staged import STAGES, PipelineConfig  # noqa: E402
 from lightning_dlrover.pipeline_tuner import Budget, HillClimbTuner, RLTuner  # noqa: E402
 from lightning_dlrover.pipeline_tuner.baselines import AutotuneTuner, FixedTuner  # noqa: E402
 from lightning_dlrover.pipeline_tuner.model import Calibration, PipelineModel  # noqa: E402
-from lightning_dlrover.pipeline_tuner.harness import window_scale  # noqa: E402
 from lightning_dlrover.pipeline_tuner.observe import process_workers  # noqa: E402
 from lightning_dlrover.pipeline_tuner.report import table  # noqa: E402
 
@@ -255,7 +254,7 @@ def simulate(model: PipelineModel, tuner, seconds: float, window_s: float = 2.0)
     t, config = 0.0, tuner.first()
     timeline = [(0.0, config)]
     while t < seconds:
-        w = window_s * window_scale(tuner)
+        w = window_s * (3 if getattr(tuner, "done", False) else 1)
         obs = model.observe(config, w)
         t += w
         workers = [model.cal.worker_bytes] * process_workers(config, model.cal.methods)

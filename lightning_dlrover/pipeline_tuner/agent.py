@@ -42,22 +42,17 @@ Design (one decision per measurement window, ``window_s`` seconds each):
   when the trainer is, fewer workers (halve +0.1, removing a read or assemble thread +0.08, removing the
   idlest stage's +0.06, prefetch -1 +0.04); everything else -0.05. Epsilon-greedy (``epsilon``, times
   ``decay`` per trial) among the eligible actions.
-- **Second looks**: before it stops, it tries again its *near misses* (rejected candidates of the incumbent that
-  were ahead on average), the best first, at most ``LOOKS`` of them, with windows ``LOOK_SCALE`` (3) times longer,
-  keeping one that is ahead in every pair and by ``min_gain / 2`` on average: a gain of a few percent is within the
-  noise of 2 s windows on a busy machine, and the every-pair rule, which keeps noise from being climbed on, would
-  otherwise always reject it.
 - **Stopping**: after ``patience`` rejected trials in a row, ``max_trials`` trials, or when no eligible action
-  is left (and no second look is due), it keeps the incumbent and stops changing it (no further resets); windows
-  then last 3x longer. It explores again when the rate stays below 80% of the incumbent's for 3 windows.
+  is left, it keeps the incumbent and stops changing it (no further resets); windows then last 3x longer. It
+  explores again when the rate stays below 80% of the incumbent's for 3 windows (the consumer or data changed).
 - **Memory guard**: a measured pipeline memory within 5% of the budget sheds a worker at once (that becomes
   the incumbent).
 
 Cost: a rejected trial is 2 windows, a kept one 5-7, each switch a pipeline reset (a rebuild at the current
 sample, 0.2-0.5 s on 2 cores). On few cores the trainer is the bottleneck and the prior tries fewer workers first:
-on a 2-core machine (``bench/bench_pipeline_oracle.py``, a 12-point grid, 4 interleaved rounds) the agent ended at
-0.95 of the grid oracle at 2 ranks and, with second looks, 0.92 at 1 rank (all inline in 2 of 4 rounds; the four best
-settings are within 3.5% there, inside the noise of its windows), 1.09-1.11x the default, never below it. On many cores a parse-bound pipeline is the
+on a quiet 2-core machine (``bench/bench_pipeline_oracle.py``, a 12-point grid, 4 interleaved rounds) the agent ended
+at 0.95 of the grid oracle at 2 ranks and 0.90 at 1 rank (prefetch 1 where all inline is 4% faster: within the noise
+of its windows there), 1.10-1.11x the default, never below it. On many cores a parse-bound pipeline is the
 bottleneck and the agent grows the busy stages geometrically (1, 2, 3, 4, 6, 9...), fuses stages once the cores are
 spent, and keeps a large gain after one pair. On a model calibrated on that machine (``bench/bench_pipeline_scale.py``,
 a trainer at 2M-8M samples/s, 8-64 cores) it ends at 0.95-1.00 of the grid oracle within 2 minutes of pipeline time,
@@ -75,11 +70,6 @@ from dataclasses import dataclass
 
 from lightning_dlrover.data.staged import STAGES, PipelineConfig
 from lightning_dlrover.pipeline_tuner.observe import Budget, MemoryGuard, Observation
-
-#: A second look and a converged agent's watch use windows this many times ``window_s``.
-LOOK_SCALE = 3
-#: Second looks per incumbent at most (each ``pairs`` candidate windows ``LOOK_SCALE`` times longer).
-LOOKS = 2
 
 # ("add", s) | ("add", s, s2) | ("remove", s) | ("move", src, dst) | ("fuse", s) | ("prefetch", +1 | -1)
 # | ("scale", 2 | 0.5)
@@ -196,13 +186,6 @@ class RLTuner:
         self._fastest_consumer: float | None = None  # least consumer seconds per sample seen
         self._low_windows = 0
         self._noise: list[float] = []
-        self._near: dict[tuple[PipelineConfig, PipelineConfig], tuple[float, dict]] = {}  # near misses: gain, trial
-        self._looked: set[tuple[PipelineConfig, PipelineConfig]] = set()  # (incumbent, candidate) looked at twice
-
-    @property
-    def window_scale(self) -> int:
-        """How many ``window_s`` the next window lasts: 3 once converged (watching) and during a second look."""
-        return LOOK_SCALE if self.done or (self._trial is not None and self._trial.get("look")) else 1
 
     def first(self) -> PipelineConfig:
         """The configuration to start with (shrunk to the budget if needed)."""
@@ -300,19 +283,16 @@ class RLTuner:
         ratios = [c / max((inc[i] + inc[i + 1]) / 2, 1e-9) for i, c in enumerate(cand)]
         mean_gain = sum(ratios) / len(ratios) - 1
         self._noise.append(abs(inc[-1] - inc[-2]) / max(inc[-1] + inc[-2], 1e-9))  # the incumbent against itself
-        look = trial.get("look", False)
-        failed = ratios[-1] <= 1 + (0.0 if look else self.min_gain)
+        failed = ratios[-1] <= 1 + self.min_gain
         noise = sorted(self._noise)[len(self._noise) // 2]  # median half-difference of adjacent incumbent windows
         margin = max(3 * self.min_gain, 4 * noise)
         # no third pair needed; a gain of twice the margin needs no second (a parse-bound pipeline on many cores
         # doubles with each added worker: the climb is then as many trials as the cores allow)
-        clear = not look and min(ratios) > 1 + (margin if len(ratios) >= 2 else 2 * margin)
+        clear = min(ratios) > 1 + (margin if len(ratios) >= 2 else 2 * margin)
         if not failed and not clear and len(cand) < self.pairs:
             return Decision(obs, trial["candidate"], f"compare: {trial['candidate'].short()} again "
                             f"({ratios[-1] - 1:+.1%} in the last pair)", self.guard.predict(trial["candidate"]))
-        accepted = not failed and mean_gain > (self.min_gain / 2 if look else max(self.min_gain, 2 * noise))
-        if not accepted and not look and mean_gain > 0:
-            self._near[(self.incumbent, trial["candidate"])] = (mean_gain, trial)
+        accepted = not failed and mean_gain > max(self.min_gain, 2 * noise)
         self._learn(trial, mean_gain, obs)
         gains = ", ".join(f"{r - 1:+.1%}" for r in ratios)
         what = self._describe(trial["action"])
@@ -343,8 +323,6 @@ class RLTuner:
         why = ("no eligible change left" if not eligible else f"{self.rejected_in_a_row} changes in a row did not "
                f"beat it" if self.rejected_in_a_row >= self.patience else f"{self.trials} trials"
                if self.trials >= self.max_trials else None)
-        if why is not None and (look := self._second_look(obs, prefix)) is not None:
-            return look
         if why is not None:
             self.done, self._low_windows = True, 0
             start = "the start " if self.kept_start else ""
@@ -361,28 +339,12 @@ class RLTuner:
         return Decision(obs, candidate, f"{prefix}{how} try {self._describe(action)} -> {candidate.short()} "
                         f"(bottleneck {state[0]})", self.guard.predict(candidate))
 
-    def _second_look(self, obs: Observation, prefix: str) -> Decision | None:
-        """Before converging: the near miss of the incumbent with the largest mean gain (ahead on average over the
-        pairs it ran, not by ``min_gain`` in every pair), tried again with windows ``LOOK_SCALE`` times longer and kept if
-        it is ahead in every pair and by ``min_gain / 2`` on average; ``None`` when there is none left to look at."""
-        near = {c: v for (i, c), v in self._near.items() if i == self.incumbent and (i, c) not in self._looked}
-        if not near or sum(i == self.incumbent for i, _ in self._looked) >= LOOKS:
-            return None
-        candidate = max(near, key=lambda c: near[c][0])
-        gain, before = near[candidate]
-        self._looked.add((self.incumbent, candidate))
-        self._rejected.get(self.incumbent, set()).discard(candidate)
-        self._trial = {**before, "cand": [], "memory": 0, "look": True}
-        return Decision(obs, candidate, f"{prefix}second look at {candidate.short()} ({gain:+.1%} on average before) "
-                        f"with {LOOK_SCALE}x longer windows", self.guard.predict(candidate))
-
     def _watch(self, obs: Observation) -> Decision:
         reference = self.means[self.incumbent][0] if self.incumbent in self.means else obs.samples_per_s
         self._low_windows = self._low_windows + 1 if obs.samples_per_s < 0.8 * reference else 0
         if self._low_windows >= 3 and obs.config == self.incumbent:
             self.done, self.epsilon, self.rejected_in_a_row, self.trials = False, 0.2, 0, 0
             self.means, self._rejected, self._inc_windows = {obs.config: (obs.samples_per_s, 1)}, {}, []
-            self._near, self._looked = {}, set()
             return self._next_trial(obs, "the rate fell below 80% of the kept configuration's for 3 windows: "
                                     "exploring again; ")
         return Decision(obs, None, f"converged: keeping {self.incumbent.short()}", self.guard.predict(obs.config))

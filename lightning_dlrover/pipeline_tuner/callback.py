@@ -35,7 +35,7 @@ from lightning_dlrover.monitor.guard import failure, guarded, report_failure
 from lightning_dlrover.pipeline_tuner import joint
 from lightning_dlrover.pipeline_tuner.agent import Decision, RLTuner, shrink
 from lightning_dlrover.pipeline_tuner.baselines import FixedTuner, HillClimbTuner
-from lightning_dlrover.pipeline_tuner.harness import Trace, TunerDriver, window_scale
+from lightning_dlrover.pipeline_tuner.harness import Trace, TunerDriver
 from lightning_dlrover.pipeline_tuner.observe import Budget, MemoryGuard
 from lightning_dlrover.pipeline_tuner.report import plot, summary
 
@@ -229,14 +229,13 @@ class PipelineTuner(Callback):
     def _decide(self, windows: list[joint.Window]) -> tuple:
         combined, worker_bytes = joint.combine(windows)
         d = self.tuner.step(combined, worker_bytes)
-        return (d.config, d.reason, d.predicted_memory, self.tuner.done, getattr(self.tuner, "kept_start", None),
-                window_scale(self.tuner))
+        return d.config, d.reason, d.predicted_memory, self.tuner.done, getattr(self.tuner, "kept_start", None)
 
     @guarded("on_train_batch_end")
     def _follow(self, own: Any, config: PipelineConfig | None, reason: str, predicted: int, done: bool,
-                kept_start: bool | None, scale: int) -> None:
+                kept_start: bool | None) -> None:
         if isinstance(self.tuner, joint.Follower):
-            self.tuner.follow(config, done, kept_start, scale)
+            self.tuner.follow(config, done, kept_start)
         self.driver.apply(own, Decision(own, config, reason, predicted))
 
     @override

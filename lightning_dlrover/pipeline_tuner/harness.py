@@ -16,15 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_dlrover.data.staged import PipelineConfig, PipelinedLoader
-from lightning_dlrover.pipeline_tuner.agent import LOOK_SCALE, Decision
+from lightning_dlrover.pipeline_tuner.agent import Decision
 from lightning_dlrover.pipeline_tuner.observe import Observation, Sampler
-
-
-def window_scale(tuner: Any) -> int:
-    """How many ``window_s`` the next window of ``tuner`` lasts: its own ``window_scale`` (the RL agent's second
-    looks), else :data:`~lightning_dlrover.pipeline_tuner.agent.LOOK_SCALE` once it is done (watching), else 1."""
-    scale = getattr(tuner, "window_scale", None)
-    return scale if scale is not None else LOOK_SCALE if tuner.done else 1
 
 
 @dataclass(frozen=True)
@@ -128,8 +121,8 @@ class TunerDriver:
         return decision
 
     def closes(self, seconds: float, batches: int) -> bool:
-        """Whether a window of ``seconds`` and ``batches`` is complete (:func:`window_scale` times ``window_s``)."""
-        return seconds >= self.window_s * window_scale(self.tuner) and batches >= self.min_batches
+        """Whether a window of ``seconds`` and ``batches`` is complete (3x longer once the tuner is done)."""
+        return seconds >= self.window_s * (3 if self.tuner.done else 1) and batches >= self.min_batches
 
     def window(self) -> tuple[Observation, list[int], int] | None:
         """This rank's window so far (observation, worker processes' bytes, batches), ``None`` while the batches

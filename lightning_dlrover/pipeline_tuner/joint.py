@@ -47,7 +47,6 @@ class Follower:
     def __init__(self, name: str, start: PipelineConfig) -> None:
         self.name, self.start, self.current = name, start, start
         self.done, self.kept_start = False, None
-        self.window_scale = 1  # rank 0's tuner's: every rank's windows close alike
 
     def first(self) -> PipelineConfig:
         return self.start
@@ -56,10 +55,10 @@ class Follower:
     def best(self) -> PipelineConfig:
         return self.current
 
-    def follow(self, config: PipelineConfig | None, done: bool, kept_start: bool | None, window_scale: int) -> None:
+    def follow(self, config: PipelineConfig | None, done: bool, kept_start: bool | None) -> None:
         """Takes rank 0's decision."""
         self.current = config or self.current
-        self.done, self.kept_start, self.window_scale = done, kept_start, window_scale
+        self.done, self.kept_start = done, kept_start
 
     def step(self, obs: Observation, worker_bytes: list[int] | None = None) -> Decision:
         raise RuntimeError("a Follower does not decide: rank 0's tuner does (lightning_dlrover.pipeline_tuner.joint)")

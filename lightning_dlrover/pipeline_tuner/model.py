@@ -159,8 +159,7 @@ class PipelineModel:
         """A window of ``seconds`` on ``c`` as the tuner's sampler would report it (the rate with measured noise)."""
         x = self.rate(c)
         p = self._cache[c]
-        # the calibrated noise is of 2 s windows; a longer window averages it down (a second look, a watch)
-        noisy = x * max(0.1, 1.0 + self.rng.gauss(0.0, self.cal.noise * (2.0 / max(seconds, 1e-3)) ** 0.5))
+        noisy = x * max(0.1, 1.0 + self.rng.gauss(0.0, self.cal.noise))
         cost = {s: p["segment"].get(s, self.cal.service_s[s] + (self.cal.ipc_s.get(s, 0.0)
                                                                   if self._process(s, c) else 0)) for s in STAGES}
         util = {s: min(1.0, x * cost[s] / max(c.workers[s], 1)) for s in STAGES}
