@@ -180,7 +180,7 @@ def program(args: argparse.Namespace, workdir: Path, extra: list[str] | None = N
 def _reference_run(args: argparse.Namespace) -> Run:
     """The same job without a fault, in the same mode (for ``--shrink``: the job shrunk by the restart path)."""
     if args.shrink:
-        return Run(*chaos_shrink.restart_path_shrink(args, program(args, args.workdir / "reference")))
+        return Run(*chaos_shrink.restart_path_shrink(args, program(args, args.workdir / "reference"), STORE_ENV))
     cluster = Cluster(args, "reference", args.nodes, _reference_overrides(args))
     try:
         started = time.time()

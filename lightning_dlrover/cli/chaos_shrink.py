@@ -46,18 +46,17 @@ def launch_options(args: argparse.Namespace) -> list[str]:
     return ["--spares", "0", "--no-cold-start"] if args.shrink else ["--spares", str(args.spares)]
 
 
-def restart_path_shrink(args: argparse.Namespace, program: list[str]) -> tuple[bool, list[Event], float | None]:
-    """Runs the job shrunk by the restart path in ``<--workdir>/reference`` (see the module docs): ``(finished,
-    events, wall)``."""
-    from lightning_dlrover.cli.chaos import STORE_ENV  # (chaos imports this module)
-
+def restart_path_shrink(args: argparse.Namespace, program: list[str],
+                        torchrun_env: dict[str, str]) -> tuple[bool, list[Event], float | None]:
+    """Runs the job shrunk by the restart path in ``<--workdir>/reference`` (see the module docs), its ``torchrun``
+    runs with ``torchrun_env`` added (chaos's): ``(finished, events, wall)``."""
     workdir = args.workdir / "reference"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     job = f"shrink-reference-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, DIGEST_EVERY_ENV)}
     env.update({SPILL_ENV: str(workdir / "spill"), JOB_ID_ENV: job, EVENTS_ENV: str(workdir / "events.jsonl"),
-                DIGEST_EVERY_ENV: "1", **STORE_ENV})
+                DIGEST_EVERY_ENV: "1", **torchrun_env})
     started, deadline = time.time(), time.time() + args.timeout
     n = args.nproc_per_node
     try:

@@ -3,12 +3,14 @@ run code, belongs to another launch of the job, or sits in a directory other use
 
 import os
 import pickle
+import signal
 import stat
 
 import pytest
 import torch
 
 from lightning_dlrover.fault.coding.coded_state import SegmentSpec
+from lightning_dlrover.fault.manager import sigterm_ignored
 from lightning_dlrover.fault.restart.spill import (
     ProgressRecord,
     Spill,
@@ -170,10 +172,6 @@ def test_a_sigterm_while_spilling_neither_interrupts_the_write_nor_outlives_it()
     """The launcher SIGTERMs every worker when it restarts the job, and Lightning's SIGTERM handler broadcasts over the
     world group, which raises with a peer gone: inside a spill write that lost the spill a restart needed (the shrink
     that failed half-way then started over from step 0). A real SIGTERM to this process, with a handler that raises."""
-    import signal
-
-    from lightning_dlrover.fault.manager import sigterm_ignored
-
     def broadcast_with_a_peer_gone(signum, frame):
         raise RuntimeError("Connection closed by peer")
 
