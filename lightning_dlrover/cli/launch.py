@@ -63,6 +63,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="with no hot spare left, a lost rank is not taken by a process started at the loss: the "
                         "survivors shrink in process and train on at the smaller world size (one machine; parity "
                         "needs k + r survivors, else every worker restarts)")
+    p.add_argument("--regrow", action="store_true",
+                   help="with --no-cold-start: after the survivors shrank, start a process in the background and grow "
+                        "the job back to its launch size in process once it is set up (at a commit; no restart)")
     p.add_argument("--memory-limit-gb", type=float, default=None,
                    help="memory the job may use on this machine (default: its cgroup limit, else the machine's "
                         "memory); a shrink in process that would not fit in it restarts every worker instead")
@@ -84,6 +87,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.memory_limit_gb is not None and args.memory_limit_gb <= 0:
         p.error(f"--memory-limit-gb {args.memory_limit_gb} must be > 0.")
     args.memory_limit_bytes = int(args.memory_limit_gb * 2**30) if args.memory_limit_gb else memory_limit_bytes()
+    if args.regrow and (args.cold_start or args.nnodes > 1 or args.no_in_process):
+        p.error("--regrow grows the job back after a shrink in process, which needs --no-cold-start, one machine "
+                "(--nnodes 1) and in-process recovery (no --no-in-process).")
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} is outside [0, {args.nnodes}).")
     if args.spares == "auto":

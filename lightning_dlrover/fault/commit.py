@@ -28,6 +28,7 @@ from lightning_dlrover.fault.coding.coded_embeddings import CodedEmbeddings
 from lightning_dlrover.fault.coding.placement import ParityConfig
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot
+from lightning_dlrover.fault.report import GrowRequested
 from lightning_dlrover.fault.restart.spill import ProgressRecord
 from lightning_dlrover.monitor import StepTimer, emit
 
@@ -73,6 +74,10 @@ class CommitProtocol:
         self._voted = -1  # the step whose vote this rank entered and did not see complete (-1: none)
         self._announce_resume = False
         self._progress: ProgressRecord | None = None
+        #: Whether the launcher asks this job to grow (set under ``lightning-dlrover launch``; asked at each commit, and
+        #: answers ``True`` on one rank at most): the answer travels in the vote, so every rank learns it at the same step.
+        self.grow_poll: Callable[[], bool] | None = None
+        self._grow_voted = False
 
     def set_restored_rank_states(self, states: Tensor | None) -> None:
         """Every old rank's generators and buffers (``[old world, n]``): this rank takes its row (buffers now,
@@ -92,6 +97,7 @@ class CommitProtocol:
         """Before the forward of the step that starts at ``global_step == step``: decides a commit still in flight,
         applies restored generators."""
         self.settle()
+        self._grow_if_voted()
         if self._pending_rank_state is not None:
             rank_state.restore_rank(self._pending_rank_state, [])
             self._pending_rank_state = None
@@ -115,13 +121,22 @@ class CommitProtocol:
         with self.timer.section("parity"):
             assert self._dense is not None
             self._dense.stage()  # everything of step ``step`` is taken now; only the exchange and the vote wait
-            ballot = rank_state.pad(rank_state.capture_rank(self._buffers), self._rank_state_len)
+            # one byte past the longest rank state: whether this rank saw a grow request
+            ballot = rank_state.pad(rank_state.capture_rank(self._buffers), self._rank_state_len + 1)
+            ballot[-1] = int(self.grow_poll is not None and self.grow_poll())
             self._deciding = PendingCommit(index, step, trainer_state(), ballot)
             # After the step's backward and fused optimizer: on a GPU the deltas are captured on the current
             # stream, ordered after that update (see lightning_dlrover.fault.coding.staging).
             self.coded.post_deltas()
         if not self.parity.overlap:
             self.settle()
+            self._grow_if_voted()
+
+    def _grow_if_voted(self) -> None:
+        """At a step boundary after a commit whose vote carried a grow request: raises :class:`GrowRequested`."""
+        if self._grow_voted:
+            self._grow_voted = False
+            raise GrowRequested(self.committed_step)
 
     def settle(self) -> None:
         """Decides the commit in flight, if any (collective): waits for its deltas, folds them into parity, votes."""
@@ -139,6 +154,7 @@ class CommitProtocol:
             self._voted = -1
             self._dense.promote()
             self._meta, self._rank_states = pending.meta, torch.stack(ballots)
+            self._grow_voted = any(int(ballot[-1]) for ballot in ballots)
         self._deciding = None
         self._committed(pending.step)
 

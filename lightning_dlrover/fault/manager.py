@@ -359,12 +359,16 @@ class FaultManager(CommitProtocol, LauncherFacts):
                 write_spill(self._spill_dir, spill)
 
     def restore_in_place(self, host: Host, spills: list[Spill]) -> RecoveryReport:
-        """After a shrink in process sharded ``host.model`` anew for the smaller world: decodes the lost ranks and
-        re-shards every rank's committed state from the survivors' ``spills`` (the restart path's restore), encodes
-        parity for the new world and takes the dense snapshot of the new optimizers (collective). Raises
-        :class:`Unrecoverable` as the restart path's restore does."""
-        assert self.coded is not None and self.parity is not None
-        self.coded.state.close()
+        """After a shrink or grow in process sharded ``host.model`` anew for the new world: decodes the lost ranks and
+        re-shards every rank's committed state from the ``spills`` the running ranks kept (a joining rank has none:
+        the restart path's restore), encodes parity for the new world and takes the dense snapshot of the new
+        optimizers (collective). Raises :class:`Unrecoverable` as the restart path's restore does."""
+        assert self.parity is not None
+        if self.coded is not None:
+            self.coded.state.close()
+        longest = torch.tensor([self._rank_state_len], dtype=torch.int64)  # a joining rank's own may be shorter
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=control_plane.group())
+        self._rank_state_len = int(longest)
         state = CodedState(host.model, self.parity.k)
         report = restore_spills(state, spills)
         if report is None or report.meta is None:

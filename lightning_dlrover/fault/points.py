@@ -21,3 +21,6 @@ SPARES_TIMEOUT_S = 600.0
 
 #: Environment variable: ``1`` checks the parity of a restored job against a fresh encode (drills; costs an encode).
 VERIFY_PARITY_ENV = "LIGHTNING_DLROVER_VERIFY_PARITY"
+#: ``1``: after a grow in process, rank 0 compares the digest of the whole training state with the committed state's
+#: before it (``resize_verified`` event; a collective that gathers every table: for drills and tests).
+VERIFY_RESIZE_ENV = "LIGHTNING_DLROVER_VERIFY_RESIZE"

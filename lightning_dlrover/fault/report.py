@@ -18,6 +18,16 @@ class Unrecoverable(RuntimeError):
         self.step = step
 
 
+class GrowRequested(RuntimeError):
+    """Raised on every rank at the same step boundary, right after ``step`` committed, when the launcher asked the
+    job to grow (a rank saw the request and said so in the commit's vote): in-process recovery then grows the world
+    group and resumes at ``step``."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"the launcher asked the job to grow after step {step}")
+        self.step = step
+
+
 @dataclass
 class RecoveryReport:
     """What a recovery did (:func:`~lightning_dlrover.fault.restart.reshard.restore` or an in-process rejoin): the recovered ``step``, the failed job's ``world_size``, the ``lost`` ranks

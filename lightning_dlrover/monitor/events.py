@@ -88,6 +88,19 @@ KINDS: dict[str, tuple[str, ...]] = {
     # recovered_in_process); decode_s, reshard_s: the restore's decode and re-shard
     "shrunk_in_process": ("old_rank", "old_world_size", "world_size", "lost_ranks", "decode_s", "reshard_s",
                           "lost_at", "failed_at", "connected_at", "restored_at"),
+    # launch --regrow (fault/inplace/grow.py), the launcher: started a process (spare index, pid) to join a job running
+    # at world_size of target_world_size ranks; published the plan in which joined_ranks join (the job grows to
+    # world_size); gave the grow up (why)
+    "grow_started": ("spare", "pid", "world_size", "target_world_size"),
+    "grow_planned": ("generation", "joined_ranks", "world_size", "pid"),
+    "grow_abandoned": ("why",),
+    # every rank of a grow in process (survivor: it was running; else it joined), at the committed step it resumes at;
+    # times as for recovered_in_process; grow_failed: a running rank's grow failed half-way (spills written, restart)
+    "grown_in_process": ("survivor", "old_world_size", "world_size", "joined_ranks", "decode_s", "reshard_s",
+                         "lost_at", "failed_at", "connected_at", "restored_at"),
+    "grow_failed": ("generation", "error"),
+    # $LIGHTNING_DLROVER_VERIFY_RESIZE=1, rank 0 after a grow: the whole training state's digest before and after
+    "resize_verified": ("world_size", "before", "after", "equal"),
     "vote_completed_elsewhere": (),  # a survivor whose vote broke commits the step (step) another survivor committed
     "node_lost": ("node", "ranks", "silent_s"),  # machine 0's launcher: another machine's launcher went silent
     # reason: no_survivor | during_recovery | in_process_off | device_taken (a replacement would share a GPU)

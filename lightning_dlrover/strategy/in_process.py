@@ -4,24 +4,33 @@ Under ``lightning-dlrover launch`` the world group is reconfigurable; a survivor
 peer is restored to the last committed step and its fit loop runs again, and a replacement joins at the
 start of its fit loop. Everything else in the strategy is unchanged.
 
-A shrink plan (no spare, none wanted: see :mod:`lightning_dlrover.fault.inplace.shrink`) is run by :func:`shrinker`:
-the committed state is kept as spills in memory, the world group is reconfigured to the smaller world with this
-rank's new number, the environment, Lightning's ranks and the data loader follow, the model's tables are sharded anew
-for the smaller world (TorchRec's ``DistributedModelParallel.reshard`` moves shards within a fixed world only: see
-:mod:`~lightning_dlrover.fault.inplace.shrink`) and filled by the restart path's decode and re-shard, the optimizers
-are set up again, and the fit loop resumes at the committed step with the same global batch.
+A shrink plan (no spare, none wanted: see :mod:`lightning_dlrover.fault.inplace.shrink`) is run with the
+:class:`Resharder`: the committed state is kept as spills in memory, the world group is reconfigured to the smaller
+world with this rank's new number, the environment, Lightning's ranks and the data loader follow, the model's tables
+are sharded anew for the smaller world (TorchRec's ``DistributedModelParallel.reshard`` moves shards within a fixed
+world only: see :mod:`~lightning_dlrover.fault.inplace.shrink`) and filled by the restart path's decode and re-shard,
+the optimizers are set up again, and the fit loop resumes at the committed step with the same global batch.
+
+A grow (``launch --regrow``) runs the same way at a step boundary every rank agreed on (:class:`GrowRequested`, raised
+after a commit whose vote carried the launcher's request): the tables are planned for the larger world first (the
+joining ranks read that plan), and every rank, running or joining, then builds its sharded model alone before they
+restore the committed state together.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import torch
 
 from lightning_dlrover import lightning_glue as glue
 from lightning_dlrover.fault import FaultManager, Host
+from lightning_dlrover.fault.inplace.protocol import world_group
+from lightning_dlrover.fault.points import VERIFY_RESIZE_ENV
+from lightning_dlrover.fault.report import GrowRequested
+from lightning_dlrover.monitor import emit, state_digest
 from lightning_dlrover.strategy import shard_model
 
 if TYPE_CHECKING:
@@ -32,6 +41,7 @@ if TYPE_CHECKING:
 
 def install(trainer: pl.Trainer, host: Host, recovery: InProcessRecovery) -> None:
     """Makes ``trainer``'s fit loop recover lost peers in process (and, on a replacement, join first)."""
+    strategy: DLRoverStrategy = trainer.strategy  # type: ignore[assignment]
 
     def resume(report: RecoveryReport) -> None:
         for optimizer in trainer.optimizers:  # a failed step may have left gradients behind
@@ -40,38 +50,76 @@ def install(trainer: pl.Trainer, host: Host, recovery: InProcessRecovery) -> Non
         glue.load_trainer_state(trainer, report.meta)
 
     def recover(error: BaseException) -> bool:
-        model = trainer.strategy.model
+        model = strategy.model
+        before = verify_digest(strategy) if isinstance(error, GrowRequested) else None
         report = recovery.recover(host, error)
         if report is None:
             return False
-        if trainer.strategy.model is model:  # (a shrink built a new one)
+        if strategy.model is model:  # (a shrink built a new one)
             glue.reset_inner_ddp(model)
         resume(report)
+        if before is not None and recovery.grew:
+            verified(strategy, report, before)
         return True
 
     def join() -> None:
-        resume(recovery.join(host))
+        report = recovery.join(host)
+        resume(report)
+        if recovery.grew and verify_digest(strategy) is not None:  # (the running ranks' digest before is theirs)
+            verified(strategy, report, None)
 
-    recovery.shrinker = shrinker(trainer, trainer.strategy)  # type: ignore[arg-type]
+    recovery.resharder = Resharder(trainer, strategy)
     replacement = FaultManager.joining()
     if replacement:
         trainer.num_sanity_val_steps = 0  # the survivors are past it
     glue.rerun_fit_loop(trainer, recover, before_first_run=join if replacement else None)
 
 
-def shrinker(trainer: pl.Trainer, strategy: DLRoverStrategy) -> Callable[[int, int], None]:
-    """Makes a survivor of a shrink rank ``rank`` of ``world_size`` and shards its model anew for that world, with
-    fresh optimizers (the fault manager then restores the committed state into it). Raises on any failure: the caller
-    re-raises the original error and the launcher restarts every worker."""
+class Resharder:
+    """Re-shards a survivor's model for a new world size (a shrink or grow in process): the environment, Lightning's
+    ranks and the data follow, the tables are sharded anew (uninitialised: the committed state is restored into them
+    afterwards) and the optimizers are set up again. Raises on any failure: the caller writes the spills of the
+    committed state and the launcher restarts every worker from them."""
 
-    def run(rank: int, world_size: int) -> None:
+    def __init__(self, trainer: pl.Trainer, strategy: DLRoverStrategy) -> None:
+        self.trainer, self.strategy = trainer, strategy
+
+    def plan(self, world_size: int) -> Any:
+        module = self.strategy.lightning_module
+        shard_model.unshard(self.strategy, module)
+        return shard_model.plan_for(self.strategy, module, world_size)
+
+    def reshard(self, rank: int, world_size: int, plan: Any | None = None) -> None:
+        strategy, module = self.strategy, self.strategy.lightning_module
         renumber(strategy, rank, world_size)
-        module = strategy.lightning_module
-        shard_model.unshard(strategy, module)
-        strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False)  # the restore fills it
-        strategy.setup_optimizers(trainer)
+        if plan is None:  # a shrink: the survivors plan together in the smaller world
+            shard_model.unshard(strategy, module)
+            strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False)
+        else:  # a grow: the joining ranks build alone (collectives answered locally), and so do these, at once
+            group = world_group()
+            assert group is not None
+            group.joining = True
+            try:
+                strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False, plan=plan)
+            finally:
+                group.joining = False
+        strategy.setup_optimizers(self.trainer)
 
-    return run
+
+def verify_digest(strategy: DLRoverStrategy) -> str | None:
+    """With ``$LIGHTNING_DLROVER_VERIFY_RESIZE=1`` (drills, tests): the digest of the whole training state (a collective
+    that gathers every table on rank 0), else ``None``."""
+    return state_digest(strategy.training_state()) if os.environ.get(VERIFY_RESIZE_ENV) == "1" else None
+
+
+def verified(strategy: DLRoverStrategy, report: RecoveryReport, before: str | None) -> None:
+    """After a grow, with ``$LIGHTNING_DLROVER_VERIFY_RESIZE=1``: the ``resize_verified`` event (rank 0 compares the
+    running ranks' digest of the committed state before the grow with the grown job's)."""
+    after = verify_digest(strategy) if before is not None else None
+    if before is not None and strategy.is_global_zero:
+        emit("resize_verified", step=report.step, world_size=strategy.world_size, before=before, after=after,
+             equal=before == after, message=f"the state at step {report.step} after the grow "
+             f"{'equals' if before == after else 'DIFFERS FROM'} the committed state before it ({before[:12]})")
 
 
 def renumber(strategy: Any, rank: int, world_size: int) -> None:
@@ -80,5 +128,8 @@ def renumber(strategy: Any, rank: int, world_size: int) -> None:
     Lightning's ``rank_zero_only``. One machine: the local rank is the rank."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    strategy.parallel_devices = strategy.parallel_devices[:world_size]
+    devices = list(strategy.parallel_devices)
+    first = devices[0]
+    devices += [first if first.type == "cpu" else torch.device(first.type, i) for i in range(len(devices), world_size)]
+    strategy.parallel_devices = devices[:world_size]
     strategy.set_world_ranks()

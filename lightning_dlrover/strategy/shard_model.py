@@ -1,5 +1,5 @@
 """Sharding the LightningModule's tables for the world the strategy runs in (moved out of ``dlrover.py``, which is at
-the size limit): at set-up, and again at a smaller world size after a shrink in process (:mod:`.in_process`)."""
+the size limit): at set-up, and again at a new world size after a shrink or grow in process (:mod:`.in_process`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.types import ShardingPlan
 
 from lightning_dlrover import torchrec_glue
 from lightning_dlrover.strategy.sharding import describe_plan, distribute, plan_sharding
@@ -22,9 +23,21 @@ if TYPE_CHECKING:
 _twins: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
-def shard(strategy: DLRoverStrategy, module: pl.LightningModule, initialise: bool = True) -> DistributedModelParallel:
-    """Plans the sharding of ``module``'s embedding tables for the current world and wraps it in TorchRec's
-    ``DistributedModelParallel`` (``initialise=False``, or on a replacement: tables left for a restore to fill)."""
+def shard(strategy: DLRoverStrategy, module: pl.LightningModule, initialise: bool = True,
+          plan: ShardingPlan | None = None) -> DistributedModelParallel:
+    """Plans the sharding of ``module``'s embedding tables for the current world (unless ``plan`` is given: see
+    :func:`plan_for`) and wraps it in TorchRec's ``DistributedModelParallel`` (``initialise=False``, or on a
+    replacement: tables left for a restore to fill)."""
+    if plan is None:
+        plan = plan_for(strategy, module, dist.get_world_size())
+    dmp = distribute(module, plan, strategy.root_device, initialise=initialise and not strategy.fault.joining())
+    rank_zero_info(f"DLRoverStrategy: {describe_plan(plan)}")
+    return dmp
+
+
+def plan_for(strategy: DLRoverStrategy, module: pl.LightningModule, world_size: int) -> ShardingPlan:
+    """The sharding plan of ``module``'s tables for ``world_size`` ranks of one machine (the planner's collective over
+    the current world), kept in the launcher's store for the ranks that join; a joining rank reads it instead."""
     constraints = strategy.check_model(module, dist.get_backend())
     if strategy not in _twins:
         _twins[strategy] = torchrec_glue.unsharded_twins(module)
@@ -33,13 +46,11 @@ def shard(strategy: DLRoverStrategy, module: pl.LightningModule, initialise: boo
     # The plan is kept in the launcher's store for replacements, which read it instead (the survivors are not running
     # the planner's collective); DistributedModelParallel's constructor broadcasts TorchRec's collective-validation
     # flag from rank 0 once per process, and the survivors are not listening: a replacement keeps the default (off).
-    plan = strategy.fault.shared_plan(
-        lambda: plan_sharding(module, constraints, strategy.root_device, local_world_size=strategy.num_processes),
+    local = strategy.num_processes if world_size == dist.get_world_size() else world_size
+    return strategy.fault.shared_plan(  # type: ignore[return-value]
+        lambda: plan_sharding(module, constraints, strategy.root_device, local_world_size=local, world_size=world_size),
         strategy.global_rank, torchrec_glue.skip_collective_validation_broadcast,
     )
-    dmp = distribute(module, plan, strategy.root_device, initialise=initialise and not strategy.fault.joining())
-    rank_zero_info(f"DLRoverStrategy: {describe_plan(plan)}")
-    return dmp
 
 
 def unshard(strategy: DLRoverStrategy, module: pl.LightningModule) -> None:

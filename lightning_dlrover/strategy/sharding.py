@@ -181,9 +181,11 @@ def plan_sharding(
     device: torch.device,
     local_world_size: int,
     sharders: list[ModuleSharder[nn.Module]] | None = None,
+    world_size: int | None = None,
 ) -> ShardingPlan:
-    """Runs TorchRec's planner on rank 0 and shares the plan with every rank (a collective)."""
-    world_size = dist.get_world_size()
+    """Runs TorchRec's planner on rank 0 and shares the plan with every rank (a collective), for ``world_size``
+    ranks (default: the current world; a grow in process plans for the larger world before it exists)."""
+    world_size = world_size or dist.get_world_size()
     topology = TopologyFactory.create_topology(
         TrainerConfig(world_size=world_size, local_world_size=local_world_size),
         kernel_config=KernelConfig(compute_device=device.type),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import time
 from datetime import timedelta
 
 import lightning.pytorch as pl
@@ -165,6 +166,18 @@ class UserModel(pl.LightningModule):
                                   sampler=sampler, collate_fn=collate)
 
 
+class SlowWhileShort(pl.Callback):
+    """Sleeps ``seconds`` per step while the job runs below the world size it was launched with (a job that lasts
+    long enough for a grow in process to land on a loaded machine)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.launched = seconds, int(os.environ.get("WORLD_SIZE", "1"))
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.world_size < self.launched:
+            time.sleep(self.seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=2, help="ignored under torchrun")
@@ -176,6 +189,8 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=0)
     parser.add_argument("--init-log", default=None, help="tables initialised by an init_fn that logs its pid here")
     parser.add_argument("--root", default=".")
+    parser.add_argument("--slow-while-short", type=float, default=0.0, metavar="S",
+                        help="sleep S seconds per step while the job runs below its launch world size")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--async-ckpt", nargs="?", const=True, default=False, choices=[True, "precopy"],
                         help="DLRoverStrategy(async_checkpoint=True), or ='precopy'")
@@ -187,6 +202,8 @@ def main() -> None:
     pl.seed_everything(11)
     parity = None if args.parity == "none" else "auto" if args.parity == "auto" else ParityConfig.parse(args.parity)
     callbacks = []
+    if args.slow_while_short:
+        callbacks.append(SlowWhileShort(args.slow_while_short))
     if args.ckpt_every:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.root, "checkpoints"),
                                          every_n_train_steps=args.ckpt_every, save_top_k=-1))

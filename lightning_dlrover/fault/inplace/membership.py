@@ -9,7 +9,8 @@ Keys (all under ``lightning_dlrover/<launch>/``, ``<launch>`` counting the launc
 - ``assign/<i>``: the :class:`Assignment` of spare ``i`` (JSON), written when it takes a lost rank;
   ``ready/<g>/<rank>``: the replacement is connecting generation ``g``; ``rank/<r>``: ``host:pid`` holding ``r``.
 - ``generation``: the newest communicator generation; ``plan/<g>``: the :class:`Plan` that starts
-  generation ``g`` (JSON), written by the launcher that saw the loss.
+  generation ``g`` (JSON), written by the launcher that saw the loss (or that grows the job: then also ``grow/<g>``,
+  which the ranks of generation ``g - 1`` look for at each commit).
 - ``device``: the device type of the job's ranks when it is not the CPU (``"cuda"``), written by the ranks; a
   launcher then hands a lost rank to a spare only where the rank's device slot is free (:mod:`.supervisor`).
 - ``committed/<g>``: the first step the ranks committed in generation ``g`` (written once per generation by each
@@ -67,6 +68,7 @@ class Plan:
     reported_at: float
     world_size: int | None = None
     refused: str | None = None  # why the launcher refused this shrink (a ``shrink_refused`` ``why``): no one goes on
+    grow: bool = False  # the live ranks keep their numbers and ``replacements`` join them at ``world_size`` ranks
 
     @property
     def covered(self) -> bool:
@@ -76,7 +78,7 @@ class Plan:
     @property
     def shrinks(self) -> bool:
         """Whether the survivors go on at a smaller world size without replacements."""
-        return self.world_size is not None
+        return self.world_size is not None and not self.grow
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,25 @@ def publish_shrink_plan(store: Store, launch: int, lost: list[int], world_size: 
     return plan
 
 
+def publish_grow_plan(store: Store, launch: int, world_size: int, spares: dict[int, int]) -> Plan:
+    """Starts a new generation of launch ``launch`` in which ``spares`` (``new rank -> spare index``) join the ranks
+    of a world of ``world_size`` (who keep their numbers), assigns the spares, publishes the plan and asks the ranks to
+    grow at their next commit (:func:`grow_requested`)."""
+    generation = int(store.add(PREFIX + f"{launch}/generation", 1))
+    now, grown = time.time(), world_size + len(spares)
+    for rank, spare in spares.items():
+        _set(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, grown, generation, now)))
+    plan = Plan(generation, [], dict(spares), now, grown, grow=True)
+    _set(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {str(k): v for k, v in spares.items()}})
+    _set(store, f"{launch}/grow/{generation}", str(grown))
+    return plan
+
+
+def grow_requested(store: Store, launch: int, generation: int) -> bool:
+    """Whether the launcher asked the ranks of ``generation`` to grow (one look-up, made by rank 0 at each commit)."""
+    return store.check([PREFIX + f"{launch}/grow/{generation + 1}"])
+
+
 def wait_for_plan(store: Store, launch: int, generation: int, timeout: float | None = None) -> Plan | None:
     """The plan that starts ``generation`` of launch ``launch``, or ``None`` if the launcher published none
     within ``timeout`` seconds."""
@@ -292,7 +313,8 @@ def announce_ready(store: Store, launch: int, assignment: Assignment) -> None:
 def wait_for_replacements(store: Store, launch: int, plan: Plan, timeout: float | None = None) -> bool:
     """Whether every replacement of ``plan`` announced itself within ``timeout`` seconds."""
     timeout = timeout if timeout is not None else float(os.environ.get(REPLACEMENT_TIMEOUT_ENV, "600"))
-    keys = [PREFIX + f"{launch}/ready/{plan.generation}/{rank}" for rank in plan.lost]
+    joining = sorted(plan.replacements) if plan.grow else plan.lost
+    keys = [PREFIX + f"{launch}/ready/{plan.generation}/{rank}" for rank in joining]
     try:
         store.wait(keys, timedelta(seconds=timeout))
     except Exception:  # noqa: BLE001 - the store raises on timeout

@@ -5,7 +5,8 @@ all-to-all modules, the sharding objects, DDP), so a lost rank cannot be replace
 group. :class:`ReconfigurableGroup` is that world group for the job's whole life: every collective goes to
 an inner ``ProcessGroupGloo``, and :meth:`ReconfigurableGroup.reconfigure` swaps the inner group for one on
 a fresh store prefix: with the same rank and world size when a replacement process takes the lost rank's number,
-or with a new rank and a smaller world size when the survivors go on without the lost ranks (a shrink).
+with a new rank and a smaller world size when the survivors go on without the lost ranks (a shrink), or with new
+processes up to the launch's world size (a grow).
 
 A shrink changes what the group reports from Python (``rank()``, ``size()``, and so ``dist.get_rank()``,
 ``dist.get_world_size()``, TorchRec's ``ShardingEnv.from_process_group``) and torch's record of the world's ranks.
@@ -67,6 +68,7 @@ class ReconfigurableGroup(dist.ProcessGroup):
                  joining: bool = False, generation: int = 0) -> None:
         super().__init__(rank, world_size)
         self._rank, self._size = rank, world_size  # what Python sees (the C++ members are fixed at construction)
+        self.launch_size = world_size  # the largest world it can grow back to (the C++ size)
         self._store, self._timeout = store, timeout
         #: Full launches of the job before this one (the launcher's restarts): each has its own store keys.
         self.launch = restart_count()
@@ -92,16 +94,17 @@ class ReconfigurableGroup(dist.ProcessGroup):
         """Replaces the inner gloo group by a new one for ``generation`` (collective over the new members:
         blocks until every rank, the replacements included, has called it). Returns the seconds it took.
 
-        ``rank`` and ``world_size`` (default: unchanged) renumber this process in a smaller world: a shrink, where
-        the survivors go on without the lost ranks. Every member must pass the same ``world_size`` and a distinct
-        ``rank`` below it."""
+        ``rank`` and ``world_size`` (default: unchanged) renumber this process in a smaller world (a shrink, where
+        the survivors go on without the lost ranks) or a larger one up to :attr:`launch_size` (a grow, where new
+        processes join). Every member must pass the same ``world_size`` and a distinct ``rank`` below it."""
         if generation <= self.generation:
             raise ValueError(f"generation {generation} is not newer than the current {self.generation}.")
         rank = self._rank if rank is None else rank
         world_size = self._size if world_size is None else world_size
-        if not 0 <= rank < world_size or world_size > self._size:
-            raise ValueError(f"rank {rank} of world size {world_size}: a reconfigured group keeps its world size or "
-                             f"shrinks it (now {self._size}), and each rank is below the new world size.")
+        if not 0 <= rank < world_size or world_size > self.launch_size:
+            raise ValueError(f"rank {rank} of world size {world_size}: a reconfigured group's world size is at most "
+                             f"the {self.launch_size} ranks it was launched with (C++ readers keep that size), and each "
+                             "rank is below the new world size.")
         started = time.perf_counter()
         self._inner = None  # a failed peer's group is never used again
         self._rank, self._size = rank, world_size

@@ -20,7 +20,10 @@ Anything that goes wrong on the way (no plan, a loss parity cannot cover, a seco
 original error: the process leaves ``fit``, spills, and the launcher restarts every worker (today's path).
 
 With no spare and none wanted (``launch --spares 0 --no-cold-start``) the plan is a shrink: no replacement, and the
-survivors go on at the smaller world size in their own processes (:mod:`.shrink`; the strategy's ``shrinker`` does it).
+survivors go on at the smaller world size in their own processes (:mod:`.shrink`; the strategy's ``resharder`` does it).
+With ``launch --regrow`` the launcher then starts a process in the background and, once it waits ready, publishes a
+*grow* plan: the ranks learn it in a commit's vote, so all of them stop at the same step boundary, and the new process
+joins them at the larger world size (:meth:`InProcessRecovery.grow`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.inplace import membership, shrink, spare
 from lightning_dlrover.fault.inplace.process_group import BACKEND, ReconfigurableGroup, divide_by_live_size, register
-from lightning_dlrover.fault.report import RecoveryReport
+from lightning_dlrover.fault.report import GrowRequested, RecoveryReport
 from lightning_dlrover.fault.restart.renumber import survivor_ranks
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor import emit
@@ -53,6 +56,7 @@ class Rejoiner(Protocol):
 
     committed_step: int
     parity: Any  # the ParityConfig, or None
+    grow_poll: Callable[[], bool] | None
 
     @property
     def has_committed_state(self) -> bool: ...
@@ -66,6 +70,19 @@ class Rejoiner(Protocol):
     def restore_in_place(self, host: Host, spills: list[Any]) -> RecoveryReport: ...
 
     def rejoin(self, host: Host, survivor: bool, lost: list[int]) -> RecoveryReport: ...
+
+
+class Resharder(Protocol):
+    """What a resize in process needs of the strategy (``strategy/in_process.py`` is one)."""
+
+    def plan(self, world_size: int) -> Any:
+        """Puts the model's unsharded tables back and plans their sharding for ``world_size`` ranks (a collective over
+        the current world); kept in the launcher's store for the ranks that join."""
+
+    def reshard(self, rank: int, world_size: int, plan: Any | None = None) -> None:
+        """Makes this process ``rank`` of ``world_size`` and shards its model anew for that world with fresh
+        optimizers; with ``plan`` (a grow), alone: the joining ranks build theirs at the same time, so collectives
+        are answered locally, as a replacement's are."""
 
 
 @dataclass
@@ -158,10 +175,22 @@ class InProcessRecovery:
         self._store = membership.connect() if membership.enabled() else None
         self._group = world_group()
         self._told = -1  # the last generation whose first commit this rank told the launcher
-        #: Set by the strategy: ``shrinker(rank, world_size)`` makes this survivor rank ``rank`` of ``world_size`` (its
-        #: environment, ranks and data) and shards its model anew for that world, with fresh optimizers; the
-        #: committed state is restored into it afterwards. ``None``: shrink plans are refused.
-        self.shrinker: Callable[[int, int], None] | None = None
+        #: Set by the strategy: re-shards the model for a shrink or grow; the committed state is restored into it
+        #: afterwards. ``None``: shrink plans are refused.
+        self.resharder: Resharder | None = None
+        self.grew = False  # this process took part in a grow (survivor or joining) in its last recovery
+        if self._store is not None and self._group is not None:
+            manager.grow_poll = self._grow_requested
+
+    def _grow_requested(self) -> bool:
+        """On rank 0, at each commit: whether the launcher asked the job to grow (one store look-up)."""
+        group = self._group
+        if group is None or self._store is None or group.rank() != 0 or group.joining:
+            return False
+        try:
+            return membership.grow_requested(self._store, restart_count(), group.generation)
+        except RuntimeError:  # the launcher's store is gone: nobody can join any more
+            return False
 
     def committed(self, step: int) -> None:
         """After each commit: tells the launcher the first step committed in each generation of the world group
@@ -194,7 +223,15 @@ class InProcessRecovery:
             return None
         if host.global_rank in plan.lost or plan.refused:
             return None  # a rank the launcher believes dead must not come back; a shrink it refused (it said why)
+        if plan.grow != isinstance(error, GrowRequested):  # a rank lost while the job grows: the restart path
+            emit("in_process_refused", why="a rank was lost during a grow", error=str(error)[:200],
+                 message=f"rank {host.global_rank}: {type(error).__name__} while generation {plan.generation} grows "
+                 "the job: not recovering in process")
+            return None
         self.times.lost_at = plan.reported_at
+        self.grew = plan.grow
+        if plan.grow:
+            return self.grow(host, plan)
         if plan.shrinks:
             return self._shrink(host, plan, group.size())
         if not membership.wait_for_replacements(self._store, restart_count(), plan):
@@ -211,7 +248,7 @@ class InProcessRecovery:
         re-raises the original error; the launcher's restart path takes over)."""
         parity = self.manager.parity
         refused = shrink.refusal(world_size, plan.lost, (parity.k, parity.r) if parity is not None else None)
-        if refused is None and self.shrinker is None:
+        if refused is None and self.resharder is None:
             refused = shrink.NO_SHRINKER, "this strategy cannot re-shard its model in process"
         if refused is not None:
             if host.is_global_zero or host.global_rank == min(set(range(world_size)) - set(plan.lost)):
@@ -225,11 +262,8 @@ class InProcessRecovery:
             group.reconfigure(plan.generation, rank=rank, world_size=plan.world_size)
             self.times.connected_at = time.time()
             self.manager.reach("during_recovery", self.manager.committed_step)
-            self.shrinker(rank, plan.world_size)
-            wrapped = dmp_wrapped_module(host.model)  # the dense part's DDP divides by the group's first size
-            if isinstance(wrapped, DistributedDataParallel):
-                wrapped.register_comm_hook(group, divide_by_live_size)
-            report = self.manager.restore_in_place(host, spills)
+            self.resharder.reshard(rank, plan.world_size)
+            report = self._restore_resized(host, group, spills)
         except Exception as err:  # noqa: BLE001 - half-way: the restart path takes over from the state before it
             self.manager.write_left_behind(spills)
             shrink.refuse(world_size, plan.lost, shrink.FAILED, f"it failed half-way on rank {old_rank} "
@@ -246,6 +280,55 @@ class InProcessRecovery:
              f"{report.step}; {report}" if host.is_global_zero else None)
         return report
 
+    def _restore_resized(self, host: Host, group: ReconfigurableGroup, spills: list[Any]) -> RecoveryReport:
+        """After a re-shard for a new world size: restores the committed state from ``spills`` (collective)."""
+        wrapped = dmp_wrapped_module(host.model)  # the dense part's DDP divides by the group's first size
+        if isinstance(wrapped, DistributedDataParallel):
+            wrapped.register_comm_hook(group, divide_by_live_size)
+        return self.manager.restore_in_place(host, spills)
+
+    def grow(self, host: Host, plan: membership.Plan) -> RecoveryReport | None:
+        """On a rank of the running job, at the step boundary of a grow request: the committed state is kept as
+        spills in memory, the tables are planned for ``plan.world_size`` ranks (published for the joining ranks),
+        the world group takes the joining ranks in, every rank shards anew and the state is re-sharded onto the
+        larger world (the joining ranks hold nothing). ``None`` when it fails half-way: the spills are written and
+        the launcher's restart path takes over from them."""
+        group, old_world = world_group(), host.world_size
+        assert group is not None and plan.world_size is not None and self.resharder is not None
+        assert self._store is not None
+        spills = self.manager.leave_behind()
+        try:
+            sharding = self.resharder.plan(plan.world_size)
+            if not membership.wait_for_replacements(self._store, restart_count(), plan):
+                raise RuntimeError(f"the ranks joining generation {plan.generation} did not start in time")
+            group.reconfigure(plan.generation, rank=host.global_rank, world_size=plan.world_size)
+            self.times.connected_at = time.time()
+            self.manager.reach("during_recovery", self.manager.committed_step)
+            self.resharder.reshard(host.global_rank, plan.world_size, sharding)
+            report = self._restore_resized(host, group, spills)
+        except Exception as err:  # noqa: BLE001 - half-way: the restart path takes over from the state before it
+            self.manager.write_left_behind(spills)
+            emit("grow_failed", step=self.manager.committed_step, generation=plan.generation,
+                 error=f"{type(err).__name__}: {str(err)[:200]}",
+                 message=f"rank {host.global_rank}: growing to {plan.world_size} ranks failed half-way ({err}); the "
+                 "committed state is spilled and every worker restarts from it")
+            return None
+        return self._grown(host, plan, old_world, report, survivor=True)
+
+    def _grown(self, host: Host, plan: membership.Plan, old_world: int, report: RecoveryReport,
+               survivor: bool) -> RecoveryReport:
+        self.times.restored_at = time.time()
+        if self._store is not None:
+            membership.report_restored(self._store, restart_count(), plan.generation)
+        t = self.times
+        emit("grown_in_process", step=report.step, survivor=survivor, old_world_size=old_world,
+             world_size=plan.world_size, joined_ranks=sorted(plan.replacements), decode_s=report.decode_s,
+             reshard_s=report.reshard_s, lost_at=t.lost_at, failed_at=t.failed_at, connected_at=t.connected_at,
+             restored_at=t.restored_at,
+             message=f"grown in process from {old_world} to {plan.world_size} ranks at step {report.step} (ranks "
+             f"{sorted(plan.replacements)} joined); {report}" if host.is_global_zero else None)
+        return report
+
     def join(self, host: Host) -> RecoveryReport:
         """On a replacement, at the start of its fit loop: joins the survivors' generation of the world group
         and receives the committed state."""
@@ -255,6 +338,10 @@ class InProcessRecovery:
         membership.joined()
         self.times.connected_at = time.time()
         plan = membership.wait_for_plan(self._store, restart_count(), group.generation) if self._store else None
+        if plan is not None and plan.grow:  # the running ranks re-shard their committed state onto this one too
+            self.grew = True
+            report = self._restore_resized(host, group, [])
+            return self._grown(host, plan, report.world_size, report, survivor=False)
         return self._restore(host, survivor=False, lost=plan.lost if plan is not None else [host.global_rank])
 
     def _restore(self, host: Host, survivor: bool, lost: list[int]) -> RecoveryReport:

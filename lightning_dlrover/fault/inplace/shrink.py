@@ -43,11 +43,18 @@ kept in memory: its tested code, without writing the files).
 from __future__ import annotations
 
 import contextlib
+import socket
+from typing import TYPE_CHECKING
 
 import psutil
 
+from lightning_dlrover.fault.coding import reserve
+from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.fault.restart.renumber import survivor_ranks
 from lightning_dlrover.monitor import emit
+
+if TYPE_CHECKING:
+    from lightning_dlrover.fault.inplace.supervisor import Supervisor
 
 #: ``why`` values of the ``shrink_refused`` event.
 BELOW_PARITY = "below_parity"
@@ -127,3 +134,24 @@ def refuse(world_size: int, lost: list[int], why: str, message: str, step: int |
     emit("shrink_refused", step=step, why=why, world_size=world_size, lost_ranks=sorted(lost),
          message=f"not shrinking in process to {world_size - len(lost)} ranks without ranks {sorted(lost)}: {message}; "
          "restarting every worker instead")
+
+
+def shrink_in_process(sup: Supervisor, lost: list[int]) -> int:
+    """The launcher's side: no spare for ``lost``, none to start: the survivors go on without them, unless this
+    machine's memory cannot take it (the plan then says so and the survivors leave); the plan's generation."""
+    refused = memory_refusal(reserve.published(sup.store, sup.restarts), sup.live_world, lost,
+                             sup.args.memory_limit_bytes, *job_memory())
+    if refused is not None:
+        refuse(sup.live_world, lost, *refused)
+        return membership.publish_shrink_plan(sup.store, sup.restarts, lost, sup.live_world, refused[0]).generation
+    numbers = survivor_ranks(sup.live_world, lost)
+    plan = membership.publish_shrink_plan(sup.store, sup.restarts, lost, sup.live_world)
+    for w in [w for w in sup.workers if w.rank is not None]:
+        w.rank = numbers[w.rank]
+        membership.publish_worker(sup.store, sup.restarts, w.rank, socket.gethostname(), w.process.pid)
+    sup.live_world = len(numbers)
+    sup.publish_ranks()
+    emit("shrink_planned", generation=plan.generation, lost_ranks=plan.lost, world_size=sup.live_world,
+         pids={str(w.rank): w.process.pid for w in sup.workers if w.rank is not None},
+         message=f"generation {plan.generation}: ranks {plan.lost} lost, no spare: shrinking to {len(numbers)} ranks")
+    return plan.generation

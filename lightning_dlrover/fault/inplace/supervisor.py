@@ -42,12 +42,11 @@ from dataclasses import dataclass, field
 from torch.distributed import TCPStore
 
 from lightning_dlrover import worker_env
-from lightning_dlrover.fault.coding import reserve
 from lightning_dlrover.fault.inplace import membership, priority, process_group, zygote
-from lightning_dlrover.fault.inplace.shrink import job_memory, memory_refusal, refuse
+from lightning_dlrover.fault.inplace.grow import Regrow
+from lightning_dlrover.fault.inplace.shrink import shrink_in_process
 from lightning_dlrover.fault.inplace.store import serve_store  # noqa: F401  (imported from here by cli/ and tests)
 from lightning_dlrover.fault.inplace.workers import SupervisorConfig, Worker
-from lightning_dlrover.fault.restart.renumber import survivor_ranks
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor.events import emit
 
@@ -76,6 +75,7 @@ class Supervisor:
     _zygote_state: str = "unstarted"  # unstarted | up | lost | off
     _reaped_at: float = 0.0
     live_world: int = 0  # the world size now (smaller than ``world_size`` after a shrink in process)
+    regrow: Regrow = field(default_factory=Regrow)  # back to ``world_size`` after a shrink (``--regrow``)
 
     @property
     def world_size(self) -> int:
@@ -242,7 +242,7 @@ class Supervisor:
         self.workers = [w for w in self.workers if w.rank not in lost]
         idle = [w for w in self.workers if w.rank is None and w.process.poll() is None]
         if len(idle) < len(lost) and not self.args.cold_start and self.args.nnodes == 1:
-            return self.shrink(lost)
+            return shrink_in_process(self, lost)
         replacements: dict[int, int] = {}
         cold: list[int] = []
         readiness: dict[str, str] = {}  # how far each replacement had got: waiting | forked | importing
@@ -268,26 +268,6 @@ class Supervisor:
              replacements={str(k): v for k, v in plan.replacements.items()}, cold=cold, readiness=readiness,
              message=f"generation {plan.generation}: ranks {plan.lost} replaced by spares {plan.replacements}"
              + (f" (started cold for ranks {cold})" if cold else ""))
-        return plan.generation
-
-    def shrink(self, lost: list[int]) -> int:
-        """No spare for ``lost``, none to start: the survivors go on without them (:mod:`.shrink`), unless this
-        machine's memory cannot take it (the plan then says so and the survivors leave); the generation."""
-        refused = memory_refusal(reserve.published(self.store, self.restarts), self.live_world, lost,
-                                 self.args.memory_limit_bytes, *job_memory())
-        if refused is not None:
-            refuse(self.live_world, lost, *refused)
-            return membership.publish_shrink_plan(self.store, self.restarts, lost, self.live_world, refused[0]).generation
-        numbers = survivor_ranks(self.live_world, lost)
-        plan = membership.publish_shrink_plan(self.store, self.restarts, lost, self.live_world)
-        for w in [w for w in self.workers if w.rank is not None]:
-            w.rank = numbers[w.rank]
-            membership.publish_worker(self.store, self.restarts, w.rank, socket.gethostname(), w.process.pid)
-        self.live_world = len(numbers)
-        self.publish_ranks()
-        emit("shrink_planned", generation=plan.generation, lost_ranks=plan.lost, world_size=self.live_world,
-             pids={str(w.rank): w.process.pid for w in self.workers if w.rank is not None},
-             message=f"generation {plan.generation}: ranks {plan.lost} lost, no spare: shrinking to {len(numbers)} ranks")
         return plan.generation
 
     def start_again(self, lost: list[int]) -> None:
@@ -362,6 +342,8 @@ class Supervisor:
             self.start_spares()
             if recovering is not None and membership.restored_ranks(self.store, self.restarts, recovering) >= self.live_world:
                 recovering = None
+            if (grown := self.regrow.tick(self, recovering)) is not None:
+                recovering = grown
             failed = self.failed_ranks() + self.watch_machines(adopt=not self._finished)
             if failed:
                 recent = recovering is not None
@@ -393,7 +375,7 @@ class Supervisor:
                 recovering = None
                 continue
             ranks = [w for w in self.workers if w.rank is not None]
-            if ranks and all(w.process.poll() == 0 for w in ranks):
+            if ranks and (all(w.process.poll() == 0 for w in ranks) or self.regrow.finished_without(ranks)):
                 if not self._finished and not self._store_lost:
                     membership.mark_done(self.store, self.restarts, self.args.node_rank)
                 self._finished = True

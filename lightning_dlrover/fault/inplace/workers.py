@@ -27,6 +27,7 @@ class SupervisorConfig:
     zygote: bool = True  # fork workers from a warm process that imported the libraries once (:mod:`.zygote`)
     cold_start: bool = True  # no spare left: a new process takes a lost rank (False: the survivors shrink, one machine)
     memory_limit_bytes: int | None = None  # the job's memory on this machine (None: the machine's), for a shrink
+    regrow: bool = False  # after a shrink, start a process and grow back to the launch size in process (:mod:`.grow`)
 
 
 @dataclass

@@ -1,0 +1,95 @@
+"""The launcher's side of a grow in process (``launch --regrow``): after a shrink, the job grows back to its launch size
+without a restart.
+
+The survivors of a shrink train on at once; meanwhile the launcher starts a process of the same program as a spare
+(forked from its warm zygote, or a fresh interpreter) at normal priority. Once that spare waits set up (``waiting/<i>``
+in the store) and no recovery runs, the launcher publishes a grow plan (:func:`~.membership.publish_grow_plan`): the
+spare takes the next rank number, and rank 0 sees the request at its next commit and says so in the commit's vote,
+so every rank stops at the same step boundary. The running ranks then plan the tables for the larger world, rebuild
+the world group with the new rank, shard anew and restore the committed state onto the larger world in their own
+processes; the new rank receives its shards (see :meth:`~.protocol.InProcessRecovery.grow`). One rank joins per
+plan, until the job is back at its launch size (the world group cannot grow beyond it: its C++ size is fixed).
+
+The edges: a loss while the spare waits is covered by it as by any hot spare (the job is then no longer short); a
+spare that dies before it joins is started again once (then the launcher gives up, with ``grow_abandoned``); a loss
+while the job grows is a loss during a recovery (every worker restarts from its spills); a job that finishes before
+the grow took place ends as it is (the waiting rank is stopped, ``grow_abandoned``).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace.workers import Worker
+from lightning_dlrover.monitor.events import emit
+
+if TYPE_CHECKING:
+    from lightning_dlrover.fault.inplace.supervisor import Supervisor
+
+MAX_SPARE_DEATHS = 2  # spares started for a grow that died before joining: then the launcher stops trying
+
+
+@dataclass
+class Regrow:
+    """One machine's grow back to the launch size (``launch --regrow``), advanced by :meth:`tick`."""
+
+    spare: Worker | None = None  # started for the grow, not yet handed a rank
+    joining: Worker | None = None  # handed the new rank; the job has not restored at the larger size yet
+    generation: int = 0  # the grow plan's
+    deaths: int = 0
+    abandoned: bool = False
+
+    def tick(self, sup: Supervisor, recovering: int | None) -> int | None:
+        """One look, from the supervisor's loop: starts the spare after a shrink, publishes the grow plan once it
+        waits and no recovery runs; returns the grow's generation when it published one (a recovery in progress)."""
+        if self.joining is not None and (recovering is None or self.joining not in sup.workers):
+            self.joining = None  # the job restored at the larger size (or every worker restarted)
+        if self.spare is not None and (self.spare.rank is not None or self.spare not in sup.workers):
+            died = self.spare.rank is None and self.spare.process.poll() is not None
+            self.spare = None  # taken by a replacement as any hot spare, died, or stopped by a restart
+            self.deaths += died
+            if self.deaths >= MAX_SPARE_DEATHS:
+                self.abandon(f"the process started to join died {self.deaths} times before it joined")
+        if (not sup.args.regrow or self.abandoned or sup.live_world >= sup.world_size or sup._finished
+                or self.joining is not None):
+            return None
+        if self.spare is None:
+            self.spare = sup.spawn(None, 0)
+            emit("grow_started", spare=self.spare.spare, pid=self.spare.process.pid, world_size=sup.live_world,
+                 target_world_size=sup.world_size, message=f"the job runs at {sup.live_world} of {sup.world_size} "
+                 f"ranks: started a process (pid {self.spare.process.pid}) to join it once it is set up")
+            return None
+        if recovering is not None or not membership.is_waiting(sup.store, sup.restarts, self.spare.spare):
+            return None
+        worker, self.spare = self.spare, None
+        rank = sup.live_world
+        plan = membership.publish_grow_plan(sup.store, sup.restarts, sup.live_world, {rank: worker.spare})
+        worker.rank, self.joining, self.generation = rank, worker, plan.generation
+        membership.publish_worker(sup.store, sup.restarts, rank, socket.gethostname(), worker.process.pid)
+        sup.live_world = plan.world_size
+        sup.publish_ranks()
+        emit("grow_planned", generation=plan.generation, joined_ranks=[rank], world_size=plan.world_size,
+             pid=worker.process.pid, message=f"generation {plan.generation}: rank {rank} joins at the next commit "
+             f"(the job grows to {plan.world_size} ranks)")
+        return plan.generation
+
+    def abandon(self, why: str) -> None:
+        """Gives the grow up (said once); the job trains on at its size."""
+        if not self.abandoned:
+            self.abandoned = True
+            emit("grow_abandoned", why=why, message=f"not growing the job back: {why}")
+
+    def finished_without(self, ranks: list[Worker]) -> bool:
+        """Whether every one of ``ranks`` finished but the rank handed to a joining process, which the others never took
+        in: the job ended before the grow took place, and that process is stopped."""
+        pending = self.joining
+        if pending is None or not all(w.process.poll() == 0 for w in ranks if w is not pending):
+            return False
+        pending.process.kill()
+        pending.process.wait()
+        pending.rank, self.joining = None, None  # (not a failed rank)
+        self.abandon("the job finished before the new rank joined it")
+        return True
