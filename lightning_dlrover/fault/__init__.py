@@ -21,15 +21,17 @@ if TYPE_CHECKING:
     from lightning_dlrover.fault.host import Host
     from lightning_dlrover.fault.injector import FaultInjector
     from lightning_dlrover.fault.manager import FaultManager
-    from lightning_dlrover.fault.points import FAULT_ENV
+    from lightning_dlrover.fault.points import FAULT_ENV, VERIFY_RESIZE_ENV
     from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot
-    from lightning_dlrover.fault.report import RecoveryReport, Unrecoverable
+    from lightning_dlrover.fault.report import GrowRequested, RecoveryReport, Unrecoverable
     from lightning_dlrover.worker_env import elastic_trainer_args
 
 __getattr__, __dir__ = exports(__name__, {
     "CodedEmbeddings": "lightning_dlrover.fault.coding.coded_embeddings",
     "CodedState": "lightning_dlrover.fault.coding.coded_state",
     "FAULT_ENV": "lightning_dlrover.fault.points",
+    "VERIFY_RESIZE_ENV": "lightning_dlrover.fault.points",
+    "GrowRequested": "lightning_dlrover.fault.report",
     "FaultInjector": "lightning_dlrover.fault.injector",
     "Host": "lightning_dlrover.fault.host",
     "elastic_trainer_args": "lightning_dlrover.worker_env",
@@ -46,11 +48,13 @@ __all__ = [
     "CodedState",
     "FaultInjector",
     "FaultManager",
+    "GrowRequested",
     "Host",
     "ParityConfig",
     "ParityPlacement",
     "RecoveryReport",
     "ReplicatedSnapshot",
     "Unrecoverable",
+    "VERIFY_RESIZE_ENV",
     "elastic_trainer_args",
 ]

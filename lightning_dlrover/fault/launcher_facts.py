@@ -5,7 +5,8 @@ replacement's state (joining, its memory reserve) and the sharding plan replacem
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -56,6 +57,19 @@ class LauncherFacts:
     def joining() -> bool:
         """Whether this process replaces a lost rank and has not joined the survivors yet."""
         return inplace.joining()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def building_alone() -> Iterator[None]:
+        """Within it, this running rank's collectives are answered locally as a joining rank's are: while it builds
+        its sharded model for a grow, the joining ranks build theirs alone (:mod:`.inplace.grow`)."""
+        group = inplace.world_group()
+        assert group is not None, "building alone needs the reconfigurable world group (lightning-dlrover launch)"
+        group.joining = True
+        try:
+            yield
+        finally:
+            group.joining = False
 
     @staticmethod
     def shared_plan(compute: Callable[[], Plan], global_rank: int, before_reading: Callable[[], None]) -> Plan:

@@ -88,11 +88,11 @@ KINDS: dict[str, tuple[str, ...]] = {
     # recovered_in_process); decode_s, reshard_s: the restore's decode and re-shard
     "shrunk_in_process": ("old_rank", "old_world_size", "world_size", "lost_ranks", "decode_s", "reshard_s",
                           "lost_at", "failed_at", "connected_at", "restored_at"),
-    # launch --regrow (fault/inplace/grow.py), the launcher: started a process (spare index, pid) to join a job running
-    # at world_size of target_world_size ranks; published the plan in which joined_ranks join (the job grows to
-    # world_size); gave the grow up (why)
-    "grow_started": ("spare", "pid", "world_size", "target_world_size"),
-    "grow_planned": ("generation", "joined_ranks", "world_size", "pid"),
+    # launch --regrow (fault/inplace/grow.py), the launcher: started a process (spare index, spare_pid) to join a job
+    # running at world_size of target_world_size ranks; published the plan in which joined_ranks join (the job grows
+    # to world_size; pids: {joined rank: pid}); gave the grow up (why)
+    "grow_started": ("spare", "spare_pid", "world_size", "target_world_size"),
+    "grow_planned": ("generation", "joined_ranks", "world_size", "pids"),
     "grow_abandoned": ("why",),
     # every rank of a grow in process (survivor: it was running; else it joined), at the committed step it resumes at;
     # times as for recovered_in_process; grow_failed: a running rank's grow failed half-way (spills written, restart)

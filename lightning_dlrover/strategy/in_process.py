@@ -26,10 +26,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_dlrover import lightning_glue as glue
-from lightning_dlrover.fault import FaultManager, Host
-from lightning_dlrover.fault.inplace.protocol import world_group
-from lightning_dlrover.fault.points import VERIFY_RESIZE_ENV
-from lightning_dlrover.fault.report import GrowRequested
+from lightning_dlrover.fault import VERIFY_RESIZE_ENV, FaultManager, GrowRequested, Host
 from lightning_dlrover.monitor import emit, state_digest
 from lightning_dlrover.strategy import shard_model
 
@@ -96,13 +93,8 @@ class Resharder:
             shard_model.unshard(strategy, module)
             strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False)
         else:  # a grow: the joining ranks build alone (collectives answered locally), and so do these, at once
-            group = world_group()
-            assert group is not None
-            group.joining = True
-            try:
+            with strategy.fault.building_alone():
                 strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False, plan=plan)
-            finally:
-                group.joining = False
         strategy.setup_optimizers(self.trainer)
 
 

@@ -58,7 +58,7 @@ class Regrow:
             return None
         if self.spare is None:
             self.spare = sup.spawn(None, 0)
-            emit("grow_started", spare=self.spare.spare, pid=self.spare.process.pid, world_size=sup.live_world,
+            emit("grow_started", spare=self.spare.spare, spare_pid=self.spare.process.pid, world_size=sup.live_world,
                  target_world_size=sup.world_size, message=f"the job runs at {sup.live_world} of {sup.world_size} "
                  f"ranks: started a process (pid {self.spare.process.pid}) to join it once it is set up")
             return None
@@ -72,8 +72,8 @@ class Regrow:
         sup.live_world = plan.world_size
         sup.publish_ranks()
         emit("grow_planned", generation=plan.generation, joined_ranks=[rank], world_size=plan.world_size,
-             pid=worker.process.pid, message=f"generation {plan.generation}: rank {rank} joins at the next commit "
-             f"(the job grows to {plan.world_size} ranks)")
+             pids={str(rank): worker.process.pid}, message=f"generation {plan.generation}: rank {rank} joins at the "
+             f"next commit (the job grows to {plan.world_size} ranks)")
         return plan.generation
 
     def abandon(self, why: str) -> None:

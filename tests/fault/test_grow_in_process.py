@@ -1,0 +1,88 @@
+"""Grow in process (``launch --regrow``): after a shrink, the launcher starts a process in the background and, once it
+waits set up, the job grows back to its launch size at a step boundary, with no worker restarted.
+
+End to end with a user's own model (tests/scripts/user_model.py: Dropout, BatchNorm, exact Adagrad tables, Adam with
+an LR schedule, its own StatefulDataLoader; k=1 r=1) on 3 ranks: rank 0 is SIGKILLed before step 6, ranks 1 and 2
+train on as ranks 0 and 1 of 2, then a new process joins as rank 2. What the grow promises is checked on the whole
+training state: its digest after the grow (3 ranks) equals the committed state's before it (2 ranks)."""
+
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from lightning_dlrover.cli.launch import parse
+from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace.grow import Regrow
+from lightning_dlrover.fault.inplace.workers import Worker
+from lightning_dlrover.monitor.events import EVENTS_ENV, read_events
+from tests.fault.test_in_process import launch
+
+
+@pytest.mark.slow
+def test_the_survivors_of_a_shrink_grow_back_to_the_launch_size_in_their_own_processes(tmp_path):
+    # the job sleeps 0.5 s a step while it runs short: 50 steps for the new process to set up on a loaded machine
+    digest, events, output = launch(tmp_path, "grow", "--spares", "0", "--no-cold-start", "--regrow", nproc=3,
+                                    fault="rank=0,step=6,phase=before_forward", steps=56,
+                                    script_args=("--slow-while-short", "0.5"),
+                                    env={"LIGHTNING_DLROVER_VERIFY_RESIZE": "1"})
+    kinds = [e.kind for e in events]
+    assert not {"restarting_all", "grow_failed", "grow_abandoned"} & set(kinds), output[-4000:]
+    shrunk = {e.rank: e.pid for e in events if e.kind == "shrunk_in_process"}
+    assert len(shrunk) == 2, kinds
+    planned = next(e for e in events if e.kind == "grow_planned")
+    assert (planned.fields["joined_ranks"], planned.fields["world_size"]) == ([2], 3)
+    grown = [e for e in events if e.kind == "grown_in_process"]
+    assert len(grown) == 3 and len({e.step for e in grown}) == 1, grown
+    # the survivors grew in the processes that shrank; the new rank is the process the launcher started for it
+    assert {e.rank: e.pid for e in grown if e.fields["survivor"]} == shrunk
+    joined = [e for e in grown if not e.fields["survivor"]]
+    assert [(e.rank, e.pid) for e in joined] == [(2, planned.fields["pids"]["2"])]
+    assert all(e.fields["old_world_size"] == 2 and e.fields["world_size"] == 3 for e in grown)
+    verified = next(e for e in events if e.kind == "resize_verified")
+    assert verified.fields["equal"] and verified.step == grown[0].step, verified.fields
+    # the job trained its last steps at 3 ranks, to the end, and rank 0 is still the process that shrank
+    final = next(e for e in events if e.kind == "digest" and e.fields["final"])
+    assert final.step == 56 and final.pid == shrunk[0] and final.fields["digest"] == digest
+
+
+def test_regrow_is_refused_up_front_without_a_shrink_to_grow_back_from():
+    for extra in ([], ["--no-cold-start", "--nnodes", "2"], ["--no-cold-start", "--no-in-process"]):
+        with pytest.raises(SystemExit):
+            parse(["--regrow", *extra, "--", "train.py"])
+    assert parse(["--regrow", "--no-cold-start", "--spares", "0", "--", "train.py"]).regrow
+
+
+def test_a_grow_plan_assigns_the_next_rank_and_asks_the_running_generation_to_grow():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    shrink = membership.publish_shrink_plan(store, 0, [0], 3)
+    assert not membership.grow_requested(store, 0, shrink.generation)
+    index = membership.register_spare(store, 0)
+    plan = membership.publish_grow_plan(store, 0, 2, {2: index})
+    assert plan.generation == shrink.generation + 1 and plan.grow and not plan.shrinks
+    assert membership.grow_requested(store, 0, shrink.generation)
+    read = membership.wait_for_plan(store, 0, plan.generation, timeout=1)
+    assert read == plan and (read.lost, read.replacements, read.world_size) == ([], {2: index}, 3)
+    assignment = membership.wait_for_assignment(store, 0, index, wait_s=1)
+    assert (assignment.rank, assignment.world_size, assignment.generation) == (2, 3, plan.generation)
+
+
+def test_a_job_that_finishes_before_the_new_rank_joined_ends_and_stops_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(EVENTS_ENV, str(tmp_path / "events.jsonl"))
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    done.wait()
+    running, pending = Worker(done, 0), Worker(waiting, 1, spare=0)
+    regrow = Regrow(joining=pending)
+    assert regrow.finished_without([running, pending])
+    assert waiting.poll() is not None and pending.rank is None and regrow.joining is None
+    assert [e.fields["why"] for e in read_events([tmp_path / "events.jsonl"]) if e.kind == "grow_abandoned"] == [
+        "the job finished before the new rank joined it"]
+    still = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        assert not Regrow(joining=pending).finished_without([Worker(still, 0), pending])  # a rank still trains
+    finally:
+        still.kill()
+        still.wait()
