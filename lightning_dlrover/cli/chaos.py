@@ -51,7 +51,7 @@ from torch.distributed import TCPStore
 from lightning_dlrover.cli import chaos_kills, chaos_shrink
 from lightning_dlrover.cli.chaos_report import drill_facts, summarize
 from lightning_dlrover.fault.inplace.supervisor import serve_store
-from lightning_dlrover.fault.points import FAULT_ENV, PHASES, VERIFY_PARITY_ENV
+from lightning_dlrover.fault.points import FAULT_ENV, PHASES, VERIFY_PARITY_ENV, VERIFY_RESIZE_ENV
 from lightning_dlrover.fault.restart.spill import SPILL_ENV
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV, EVENTS_ENV, Event, read_events
 
@@ -143,7 +143,7 @@ class Cluster:
                          **STORE_ENV, **(env or {})})
         if not a.no_reference or a.kills:  # the kill rule and the report read the digests too
             full_env[DIGEST_EVERY_ENV] = "1"  # digests at the start and after every step, to compare states
-        full_env[VERIFY_PARITY_ENV] = "1"  # a restored job checks its parity against a fresh encode
+        full_env.update({VERIFY_PARITY_ENV: "1", VERIFY_RESIZE_ENV: "1"})  # a restore checks parity, a grow its state
         log = self.job.workdir / f"node{index}.log"
         with open(log, "w") as out:
             agent = subprocess.Popen(command, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -287,7 +287,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="launch with `lightning-dlrover launch` and kill one rank: survivors recover in process")
     parser.add_argument("--spares", type=int, default=1, help="hot spares per node (--in-process)")
     parser.add_argument("--kill-rank", type=int, default=0, help="rank to kill (--in-process)")
-    parser.add_argument("--shrink", action="store_true", help=chaos_shrink.HELP)
+    chaos_shrink.add_arguments(parser)  # --shrink, --regrow
     parser.add_argument("--kills", type=int, default=0,
                         help="instead of one kill at --at-step, SIGKILL a random rank this many times (any mode), each a "
                              "random 0..--kill-jitter s after the job committed a step past the previous recovery")

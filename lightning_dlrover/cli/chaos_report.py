@@ -117,6 +117,7 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
     if kills > 1:
         restarts = sum(e.kind == "restarting_all" for e in events)
         lines.append(f"kills: {kills}; recovered in process: {confirmed}; full restarts: {restarts}")
+    lines += _grow_lines(events)
     lines.append(f"job finished: {'yes' if finished else 'no'}")
     lines.append(f"final digest: {finals[-1] if finals else 'none'}")
     reference_name = "the restart path's shrink" if getattr(args, "shrink", False) else "fault-free"
@@ -130,7 +131,33 @@ def summarize(args: argparse.Namespace, finished: bool, events: list[Event], ref
         why = f" ({unseeded})"
     elif not match and (data := _data_not_resumable(events)):
         why = f" ({data})"
+    if getattr(args, "regrow", False) and not reference:
+        why = " (--regrow: no reference run grows at the same step; the grow's state check is above)"
     lines.append(f"digest match: {'yes' if match else 'no'}{why}")
+    return lines
+
+
+def _grow_lines(events: list[Event]) -> list[str]:
+    """What a grow in process did (``launch --regrow``): when, how long the new process took to be ready and the job
+    paused, and whether the state across it was the same (``$LIGHTNING_DLROVER_VERIFY_RESIZE``)."""
+    grown = [e for e in events if e.kind == "grown_in_process"]
+    if not grown:
+        gave_up = next((e for e in events if e.kind == "grow_abandoned"), None)
+        return [f"grown in process: no ({gave_up['why']})"] if gave_up is not None else []
+    first, running = grown[0], [e for e in grown if e["survivor"]]
+    lines = [f"grown in process: from {first['old_world_size']} to {first['world_size']} ranks at step {first.step} "
+             f"(ranks {first['joined_ranks']} joined; the survivors kept their processes)"]
+    started = next((e for e in events if e.kind == "grow_started"), None)
+    planned = next((e for e in events if e.kind == "grow_planned"), None)
+    if started is not None and planned is not None:
+        lines.append(f"new process set up: {planned.time - started.time:.2f} s after it was started (training went on)")
+    asked = [e["failed_at"] for e in running if e["failed_at"] is not None]
+    if asked:
+        lines.append(f"grow pause: {max(e['restored_at'] for e in grown) - min(asked):.2f} s (the step boundary to the "
+                     "state restored at the larger size: plan, communicator, shard, re-shard)")
+    verified = next((e for e in events if e.kind == "resize_verified"), None)
+    lines.append("state after the grow equals the committed state before it: " + (
+        "not checked" if verified is None else "yes" if verified["equal"] else "NO"))
     return lines
 
 

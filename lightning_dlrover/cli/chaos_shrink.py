@@ -1,4 +1,4 @@
-"""``chaos --in-process --shrink``: a shrink drill, and its reference, the same job shrunk by the restart path.
+"""``chaos --in-process --shrink [--regrow]``: a shrink drill, and its reference, the same job shrunk by the restart path.
 
 With no spare and none started (``launch --spares 0 --no-cold-start``) a lost rank leaves the survivors training at
 ``N - 1`` ranks in their own processes (:mod:`lightning_dlrover.fault.inplace.shrink`). They must end where the
@@ -7,6 +7,11 @@ restart left (the survivors spill their committed state), then ``torchrun`` at `
 lost rank from the spills and re-shards onto the smaller world (what ``torchrun --nnodes MIN:MAX`` restarts do). A
 fault-free run at ``N`` ranks is no reference: each rank's share of the global batch changes with the world size, so
 the floating-point sums differ from the shrink on.
+
+With ``--regrow`` the job grows back to ``N`` ranks in process once the launcher's new process is set up
+(:mod:`lightning_dlrover.fault.inplace.grow`), at a step that depends on how fast it sets up: there is no fixed
+reference run, and the drill checks the grow itself (every worker runs with ``$LIGHTNING_DLROVER_VERIFY_RESIZE=1``:
+rank 0 compares the whole training state's digest after the grow with the committed state's before it).
 """
 
 from __future__ import annotations
@@ -27,10 +32,21 @@ from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV, EVENTS_ENV, Event
 HELP = ("with --in-process: no spare and none started at the loss (launch --spares 0 --no-cold-start): the "
         "survivors shrink in process; the reference is the same job shrunk by the restart path (torchrun at N "
         "ranks, then at N - 1 from the survivors' spills)")
+REGROW_HELP = ("with --shrink: then grow back to N ranks in process (launch --regrow: a process started after the shrink "
+               "joins at a commit); checked by the whole state's digest before and after the grow, with no reference run")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shrink", action="store_true", help=HELP)
+    parser.add_argument("--regrow", action="store_true", help=REGROW_HELP)
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses a ``--shrink`` drill the launcher cannot run (before any job starts)."""
+    if args.regrow and not args.shrink:
+        parser.error("--regrow grows the job back after a shrink: give --shrink too")
+    if args.regrow:  # the restart path's shrink is no reference for a job that grew again: the grow checks itself
+        args.no_reference = True
     if not args.shrink:
         return
     if not args.in_process or args.kills or args.nodes != 1:
@@ -43,7 +59,9 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def launch_options(args: argparse.Namespace) -> list[str]:
     """The ``launch`` options of the drill's job: ``--spares N``, or none and no cold start for a shrink."""
-    return ["--spares", "0", "--no-cold-start"] if args.shrink else ["--spares", str(args.spares)]
+    if not args.shrink:
+        return ["--spares", str(args.spares)]
+    return ["--spares", "0", "--no-cold-start", *(["--regrow"] if args.regrow else [])]
 
 
 def restart_path_shrink(args: argparse.Namespace, program: list[str],

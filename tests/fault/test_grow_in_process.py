@@ -19,6 +19,7 @@ from lightning_dlrover.fault.inplace.grow import Regrow
 from lightning_dlrover.fault.inplace.workers import Worker
 from lightning_dlrover.monitor.events import EVENTS_ENV, read_events
 from tests.fault.test_in_process import launch
+from tests.fault.test_node_loss import drill
 
 
 @pytest.mark.slow
@@ -86,3 +87,17 @@ def test_a_job_that_finishes_before_the_new_rank_joined_ends_and_stops_it(tmp_pa
     finally:
         still.kill()
         still.wait()
+
+
+@pytest.mark.slow
+def test_chaos_drills_a_shrink_and_a_grow_back_in_process_with_our_dlrm(tmp_path):
+    """``chaos --in-process --shrink --regrow`` on the chaos DLRM (``lightning-dlrover fit``, its data module): rank 0
+    killed before step 6 with no spare, the survivors shrink to 2 ranks, a new process joins as rank 2; the report
+    says both happened, nothing was lost, and the state after the grow equals the committed state before it."""
+    summary = drill(str(tmp_path), "--in-process", "--shrink", "--regrow", "--nodes", "1", "--nproc-per-node", "3",
+                    "--kill-rank", "0", "--at-step", "6", "--", "--trainer.max_steps=400")
+    assert summary["recovered"].startswith("yes, shrunk in process from 3 to 2 ranks"), summary
+    assert summary["steps lost"] == "0" and summary["job finished"] == "yes", summary
+    assert summary["grown in process"].startswith("from 2 to 3 ranks at step"), summary
+    assert summary["state after the grow equals the committed state before it"] == "yes", summary
+    assert "grow pause" in summary and "new process set up" in summary

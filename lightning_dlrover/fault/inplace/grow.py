@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace.spare import SETUP_ENV
 from lightning_dlrover.fault.inplace.workers import Worker
 from lightning_dlrover.monitor.events import emit
 
@@ -57,7 +58,8 @@ class Regrow:
                 or self.joining is not None):
             return None
         if self.spare is None:
-            self.spare = sup.spawn(None, 0)
+            # it sets up its trainer and model before it waits: on the core the lost rank left, not in the grow's pause
+            self.spare = sup.spawn(None, 0, extra_env={SETUP_ENV: "early"})
             emit("grow_started", spare=self.spare.spare, spare_pid=self.spare.process.pid, world_size=sup.live_world,
                  target_world_size=sup.world_size, message=f"the job runs at {sup.live_world} of {sup.world_size} "
                  f"ranks: started a process (pid {self.spare.process.pid}) to join it once it is set up")

@@ -137,10 +137,10 @@ class Supervisor:
         emit("zygote_lost", why=why, message=f"the warm process workers are forked from failed: {why}; starting each "
              "later worker as a fresh interpreter (it imports torch, TorchRec and Lightning itself: slower to be ready)")
 
-    def spawn(self, rank: int | None, local_rank: int, idle: bool = False) -> Worker:
+    def spawn(self, rank: int | None, local_rank: int, idle: bool = False, extra_env: dict[str, str] | None = None) -> Worker:
         """Starts the rank ``rank``, or a spare when ``rank`` is ``None`` (``idle``: at the lowest CPU priority)."""
         spare = membership.register_spare(self.store, self.restarts) if rank is None else None
-        env = self.env(rank, local_rank, spare)
+        env = {**self.env(rank, local_rank, spare), **(extra_env or {})}
         # each worker in a session of its own, as torchrun starts them: the kernel's autogroup scheduler gives every
         # session an equal CPU share, so workers left in the launcher's session would share one share among them all
         process = self.fork(env, idle)
