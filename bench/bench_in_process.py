@@ -8,6 +8,12 @@ Same job as ``bench/bench_recovery.py`` (the chaos config with 26 tables of ``--
 - ``in-process shrink``: the same with no spare and none wanted (``--spares 0 --no-cold-start``): the survivors
   train on at ``--ranks - 1`` ranks in their own processes (``replace`` is then the group's reconfiguration, and
   ``restore`` re-sharding the model for the smaller world and restoring the committed state into it);
+- ``in-process grow``: the shrink, then ``--regrow``: the launcher starts a process after the shrink, and once it is
+  set up the job grows back to ``--ranks`` at a commit. Its row times the grow: ``detect`` from the grow plan to the
+  step boundary the ranks agreed on, ``replace`` from there until the communicator includes the new rank, ``restore``
+  until every rank restored the committed step at the larger size, ``total`` from the step boundary to the first
+  commit after it (the pause; nothing was lost). A grow by the restart path is ``dcp``'s total (stop, restart at the
+  larger size, load the checkpoint);
 - ``dcp``, ``parity restart``: ``bench_recovery.measure`` in the same run (2 ``torchrun`` agents x 2 ranks, node
   0 killed, every worker restarted; a checkpoint at the kill step for ``dcp``, spills for ``parity``).
 
@@ -32,6 +38,7 @@ the start and at the end: other jobs on the machine move every number.
     PYTHONPATH=. python bench/bench_in_process.py --rows 100000  # 635 MiB
     PYTHONPATH=. python bench/bench_in_process.py --rows 20000 100000 300000 --methods "in-process hot" dcp
     PYTHONPATH=. python bench/bench_in_process.py --methods "in-process shrink" "in-process hot" --base-rows 0
+    PYTHONPATH=. python bench/bench_in_process.py --methods "in-process grow" dcp --rows 20000 100000 --base-rows 0
 """
 
 from __future__ import annotations
@@ -95,17 +102,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int, shrink: bool = False) -> dict[str, float]:
-    """One in-process drill (``shrink``: no spare and none wanted, the survivors go on at one rank fewer); timings
-    from its events."""
-    config = bench_recovery.job_config(rows, args.dim, "parity", args.at_step, args.at_step + args.after_steps, workdir)
-    run_dir = workdir / f"inprocess-{spares}-{rows}{'-shrink' if shrink else ''}"
+def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int, shrink: bool = False,
+               grow: bool = False) -> dict[str, float]:
+    """One in-process drill (``shrink``: no spare and none wanted, the survivors go on at one rank fewer; ``grow``: and
+    then grow back); timings from its events."""
+    end = args.at_step + (args.grow_steps if grow else args.after_steps)
+    config = bench_recovery.job_config(rows, args.dim, "parity", args.at_step, end, workdir)
+    run_dir = workdir / f"inprocess-{spares}-{rows}{'-shrink' if shrink else ''}{'-grow' if grow else ''}"
     run_dir.mkdir()
     events_path = run_dir / "events.jsonl"
     env = {**os.environ, "LIGHTNING_DLROVER_EVENTS": str(events_path), WAIT_FOR_SPARES_ENV: "1" if spares else "0",
            "LIGHTNING_DLROVER_FAULT": f"rank=0,step={args.at_step},phase=before_forward"}
     command = [sys.executable, "-m", "lightning_dlrover", "launch", "--nproc-per-node", str(args.ranks),
-               "--spares", str(spares), *(["--no-cold-start"] if shrink else []), "--master", f"127.0.0.1:{free_port()}",
+               "--spares", str(spares), *(["--no-cold-start"] if shrink else []), *(["--regrow"] if grow else []), "--master", f"127.0.0.1:{free_port()}",
                "--", "-m", "lightning_dlrover", "fit",
                "--config", str(config), f"--trainer.default_root_dir={run_dir}"]
     with open(run_dir / "launch.log", "w") as log:
@@ -114,6 +123,8 @@ def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int, 
     recovered = [e for e in events if e.kind == ("shrunk_in_process" if shrink else "recovered_in_process")]
     if code != 0 or not recovered:
         sys.exit(f"in-process drill ({spares} spares, {rows} rows) did not recover in process; see {run_dir}")
+    if grow:
+        return _grown(events, run_dir)
     kill = next(e for e in events if e.kind == "fault_injected").time
     resumed = next(e for e in events if e.kind == "resumed").time
     survivors = [e for e in recovered if shrink or e.fields["survivor"]]
@@ -140,6 +151,22 @@ def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int, 
     }
 
 
+def _grown(events: list, run_dir: Path) -> dict[str, float]:
+    """The grow's timings (see the module docs) from a ``--regrow`` drill's events."""
+    grown = [e for e in events if e.kind == "grown_in_process"]
+    if not grown:
+        sys.exit(f"the job did not grow back in process (give it more --grow-steps); see {run_dir}")
+    planned = next(e for e in events if e.kind == "grow_planned").time
+    started = next(e for e in events if e.kind == "grow_started").time
+    boundary = min(e.fields["failed_at"] for e in grown if e.fields["survivor"])
+    connected = max(e.fields["connected_at"] for e in grown)
+    restored = max(e.fields["restored_at"] for e in grown)
+    resumed = next(e for e in events if e.kind == "resumed" and e.time >= restored).time
+    return {"lost_bytes": float("nan"), "set_up": planned - started, "detect": boundary - planned,
+            "replacement": connected - boundary, "decode": max(e.fields["decode_s"] + e.fields["reshard_s"] for e in grown),
+            "restore": restored - connected, "first_step": resumed - restored, "total": resumed - boundary}
+
+
 def floor(nbytes: int) -> dict[str, float]:
     """``send``: ``nbytes`` sent over loopback gloo into fresh memory; ``copy``: copied in memory into fresh memory."""
     port = str(free_port())
@@ -163,6 +190,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the in-process job")
     parser.add_argument("--at-step", type=int, default=8)
     parser.add_argument("--after-steps", type=int, default=6)
+    parser.add_argument("--grow-steps", type=int, default=60,
+                        help="in-process grow: steps after the kill (the new process sets up meanwhile)")
     parser.add_argument("--methods", nargs="+", default=["in-process hot", "in-process cold", "parity restart", "dcp"])
     parser.add_argument("--base-rows", type=int, default=1_000,
                         help="rows per table of the drill whose total is the part that does not grow with the state "
@@ -185,7 +214,8 @@ def main() -> None:
             for method in args.methods:
                 if method.startswith("in-process"):
                     results[method] = in_process(rows, args, Path(tmp), spares=1 if method.endswith("hot") else 0,
-                                                 shrink=method.endswith("shrink"))
+                                                 shrink=method.endswith(("shrink", "grow")),
+                                                 grow=method.endswith("grow"))
                 else:
                     results[method] = restart(rows, "parity" if method == "parity restart" else method, args, Path(tmp))
                 print(f"{rows} rows, {method}: {results[method]}", flush=True)
@@ -207,6 +237,11 @@ def main() -> None:
                   f"{r['decode']:>7.3f} {r['restore']:>8.2f} {r['first_step']:>9.2f} {r['total']:>7.2f} {ratio:>6.1f}")
     print("restart rows: 'replace' is the restart (workers exit, re-rendezvous, import, build); 'decode' and 'restore' "
           "the restore (decode + re-shard for parity, the checkpoint load for dcp).")
+    for rows, results, _ in table:
+        if (g := results.get("in-process grow")) is not None:
+            print(f"in-process grow at {26 * rows * args.dim * 4 / 2**20:.0f} MiB: 'detect' is the wait for the step "
+                  f"boundary after the grow plan; 'total' the pause from that boundary (the new process set up in "
+                  f"{g['set_up']:.2f} s before it, while the job trained on)")
     base = base or {"total": float("nan")}
     print(f"\nThe floor beside each size: the bytes the replacement receives (its coded state and parity share) sent "
           f"over loopback gloo into fresh memory ('send'), into memory already touched ('warm'), and copied in memory "
