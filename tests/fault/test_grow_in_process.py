@@ -6,8 +6,11 @@ an LR schedule, its own StatefulDataLoader; k=1 r=1) on 3 ranks: rank 0 is SIGKI
 train on as ranks 0 and 1 of 2, then a new process joins as rank 2. What the grow promises is checked on the whole
 training state: its digest after the grow (3 ranks) equals the committed state's before it (2 ranks)."""
 
+import os
+import signal
 import subprocess
 import sys
+import threading
 from datetime import timedelta
 
 import pytest
@@ -22,15 +25,37 @@ from tests.fault.test_in_process import launch
 from tests.fault.test_node_loss import drill
 
 
+def kill_the_first_grow_spare(events_path, stop: threading.Event) -> list[int]:
+    """Watches the launcher's events and SIGKILLs the first process it starts to grow the job, before it is set up."""
+    killed: list[int] = []
+    while not stop.wait(0.02) and not killed:
+        started = [e for e in read_events([events_path]) if e.kind == "grow_started"] if events_path.exists() else []
+        if started:
+            os.kill(started[0].fields["spare_pid"], signal.SIGKILL)
+            killed.append(started[0].fields["spare_pid"])
+    return killed
+
+
 @pytest.mark.slow
 def test_the_survivors_of_a_shrink_grow_back_to_the_launch_size_in_their_own_processes(tmp_path):
-    # the job sleeps 0.5 s a step while it runs short: 50 steps for the new process to set up on a loaded machine
-    digest, events, output = launch(tmp_path, "grow", "--spares", "0", "--no-cold-start", "--regrow", nproc=3,
-                                    fault="rank=0,step=6,phase=before_forward", steps=56,
-                                    script_args=("--slow-while-short", "0.5"),
-                                    env={"LIGHTNING_DLROVER_VERIFY_RESIZE": "1"})
+    """The first process started for the grow is killed while it sets up (as an out-of-memory kill would): the launcher
+    starts another, and the job grows with that one."""
+    stop, killed = threading.Event(), []
+    watcher = threading.Thread(target=lambda: killed.extend(kill_the_first_grow_spare(tmp_path / "grow" / "events.jsonl",
+                                                                                       stop)))
+    watcher.start()
+    try:  # the job sleeps 0.5 s a step while it runs short: 50 steps for the new process to set up on a loaded machine
+        digest, events, output = launch(tmp_path, "grow", "--spares", "0", "--no-cold-start", "--regrow", nproc=3,
+                                        fault="rank=0,step=6,phase=before_forward", steps=56,
+                                        script_args=("--slow-while-short", "0.5"),
+                                        env={"LIGHTNING_DLROVER_VERIFY_RESIZE": "1"})
+    finally:
+        stop.set()
+        watcher.join()
     kinds = [e.kind for e in events]
     assert not {"restarting_all", "grow_failed", "grow_abandoned"} & set(kinds), output[-4000:]
+    started = [e.fields["spare_pid"] for e in events if e.kind == "grow_started"]
+    assert len(killed) == 1 and started == [killed[0], started[1]], (killed, started)
     shrunk = {e.rank: e.pid for e in events if e.kind == "shrunk_in_process"}
     assert len(shrunk) == 2, kinds
     planned = next(e for e in events if e.kind == "grow_planned")
@@ -40,7 +65,7 @@ def test_the_survivors_of_a_shrink_grow_back_to_the_launch_size_in_their_own_pro
     # the survivors grew in the processes that shrank; the new rank is the process the launcher started for it
     assert {e.rank: e.pid for e in grown if e.fields["survivor"]} == shrunk
     joined = [e for e in grown if not e.fields["survivor"]]
-    assert [(e.rank, e.pid) for e in joined] == [(2, planned.fields["pids"]["2"])]
+    assert [(e.rank, e.pid) for e in joined] == [(2, planned.fields["pids"]["2"])] == [(2, started[1])]
     assert all(e.fields["old_world_size"] == 2 and e.fields["world_size"] == 3 for e in grown)
     verified = next(e for e in events if e.kind == "resize_verified")
     assert verified.fields["equal"] and verified.step == grown[0].step, verified.fields
