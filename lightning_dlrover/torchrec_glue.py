@@ -24,14 +24,12 @@ API only) that the job signature, the sharding checks and the re-plan advice sha
 - :func:`shard_metadata_from_plan`: ``ShardedEmbeddingCollection`` builds its tables' ``ShardedTensor`` by
   all-gathering every rank's shard metadata (``ShardedTensor._init_from_local_shards``), which a replacement that
   builds its model alone cannot run; ``ShardedEmbeddingBagCollection`` already builds it from the plan.
+- :func:`pooled_key_order`: a sharded embedding-bag collection's output keys follow the plan, and only its private
+  ``_embedding_names`` says their order before a forward.
 
-This module sits at the bottom of the package, at its root beside :mod:`lightning_dlrover.worker_env` and
-:mod:`lightning_dlrover.lightning_glue`, and imports nothing from the package: imports only point down, and
-``fault/``, ``elastic/`` and ``advisor/`` (middle layers, which must not import ``strategy/``) call it as well as
-``strategy/`` does. A root module rather than an ``adapters/`` package: each adapter is one module, and a
-``*_glue`` name is not mistaken for the framework it wraps (``adapters/torchrec.py`` would be imported as
-``torchrec``). TorchRec is imported inside the functions that need it, so the command lines (``advise``,
-``simulate``), which import ``advisor/`` and ``elastic/``, still load no TorchRec.
+At the package's root, importing nothing from it: ``fault/``, ``elastic/`` and ``advisor/`` call it as ``strategy/``
+does. One module, not an ``adapters/`` package, whose ``torchrec.py`` would shadow the framework. TorchRec is imported
+inside the functions, so the command lines (``advise``, ``simulate``) load no TorchRec.
 """
 
 from __future__ import annotations
@@ -396,3 +394,13 @@ def shard_metadata_from_plan() -> Iterator[None]:
         yield
     finally:
         ShardedEmbeddingCollection._initialize_torch_state = build
+
+
+def pooled_key_order(model: nn.Module) -> dict[str, list[str]]:
+    """``{path: keys}``: the order of the keys in each sharded embedding-bag collection's output ``KeyedTensor``. It
+    follows the sharding plan (by sharding type, then rank): a model reading the output's ``values()`` sees its
+    columns move when the plan changes, one reading it by key (``to_dict()``, as TorchRec's DLRM does) does not."""
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    return {path: list(m._embedding_names) for path, m in model.named_modules()
+            if isinstance(m, ShardedEmbeddingBagCollection)}

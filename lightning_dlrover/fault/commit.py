@@ -28,7 +28,7 @@ from lightning_dlrover.fault.coding.coded_embeddings import CodedEmbeddings
 from lightning_dlrover.fault.coding.placement import ParityConfig
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot
-from lightning_dlrover.fault.report import GrowRequested
+from lightning_dlrover.fault.report import GrowRequested, ReshardRequested
 from lightning_dlrover.fault.restart.spill import ProgressRecord
 from lightning_dlrover.monitor import StepTimer, emit
 
@@ -78,6 +78,7 @@ class CommitProtocol:
         #: answers ``True`` on one rank at most): the answer travels in the vote, so every rank learns it at the same step.
         self.grow_poll: Callable[[], bool] | None = None
         self._grow_voted = False
+        self._reshard_after: int | None = None  # a re-shard was asked for when this step was the committed one
 
     def set_restored_rank_states(self, states: Tensor | None) -> None:
         """Every old rank's generators and buffers (``[old world, n]``): this rank takes its row (buffers now,
@@ -97,7 +98,7 @@ class CommitProtocol:
         """Before the forward of the step that starts at ``global_step == step``: decides a commit still in flight,
         applies restored generators."""
         self.settle()
-        self._grow_if_voted()
+        self._resize_if_due()
         if self._pending_rank_state is not None:
             rank_state.restore_rank(self._pending_rank_state, [])
             self._pending_rank_state = None
@@ -130,13 +131,22 @@ class CommitProtocol:
             self.coded.post_deltas()
         if not self.parity.overlap:
             self.settle()
-            self._grow_if_voted()
+            self._resize_if_due()
 
-    def _grow_if_voted(self) -> None:
-        """At a step boundary after a commit whose vote carried a grow request: raises :class:`GrowRequested`."""
+    def request_reshard(self) -> None:
+        """Asks for the tables to be planned and sharded anew in process at the next commit boundary (every rank, at the
+        same step; an in-process recovery before then drops the request)."""
+        self._reshard_after = self.committed_step
+
+    def _resize_if_due(self) -> None:
+        """At a step boundary right after a commit: raises :class:`GrowRequested` when that commit's vote carried a
+        grow request, :class:`ReshardRequested` when a re-shard was asked for before it."""
         if self._grow_voted:
             self._grow_voted = False
             raise GrowRequested(self.committed_step)
+        if self._reshard_after is not None and self.committed_step > self._reshard_after:
+            self._reshard_after = None
+            raise ReshardRequested(self.committed_step)
 
     def settle(self) -> None:
         """Decides the commit in flight, if any (collective): waits for its deltas, folds them into parity, votes."""

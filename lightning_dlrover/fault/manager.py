@@ -288,7 +288,7 @@ class FaultManager(CommitProtocol, LauncherFacts):
         committed step, from the survivors' shards and parity; dense state back to the commit (collective)."""
         if self.coded is None:
             raise RuntimeError("recover needs parity: pass DLRoverStrategy(parity=ParityConfig(...)).")
-        self._deciding, self._voted = None, -1
+        self._deciding, self._voted, self._reshard_after = None, -1, None
         self.coded.recover(sorted(set(lost_ranks)))
         assert self._dense is not None
         self._dense.restore()
@@ -307,6 +307,7 @@ class FaultManager(CommitProtocol, LauncherFacts):
         survivors = sorted(set(range(host.world_size)) - set(lost))
         step, source, decide_here = agree_on_step(self.committed_step, self._voted, survivors)
         self._deciding = None  # (``_voted`` stays until the step is decided below: a spill meanwhile is tentative)
+        self._reshard_after = None  # a replacement did not ask for it
         if survivor:  # mirrors the replacement's state construction (layouts, chunk length)
             assert self.coded is not None and self._dense is not None
             self.coded.state.share_layout()
@@ -364,6 +365,7 @@ class FaultManager(CommitProtocol, LauncherFacts):
         the restart path's restore), encodes parity for the new world and takes the dense snapshot of the new
         optimizers (collective). Raises :class:`Unrecoverable` as the restart path's restore does."""
         assert self.parity is not None
+        self._reshard_after = None  # (a joining rank did not ask for it)
         if self.coded is not None:
             self.coded.state.close()
         longest = torch.tensor([self._rank_state_len], dtype=torch.int64)  # a joining rank's own may be shorter

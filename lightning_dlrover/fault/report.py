@@ -28,6 +28,16 @@ class GrowRequested(RuntimeError):
         self.step = step
 
 
+class ReshardRequested(RuntimeError):
+    """Raised on every rank at the first commit boundary after every rank asked for it at the same step
+    (:meth:`~lightning_dlrover.fault.FaultManager.request_reshard`): in-process recovery then plans and shards the
+    tables anew at the same world size and resumes at the committed ``step``."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"a re-shard was asked for; step {step} is committed")
+        self.step = step
+
+
 @dataclass
 class RecoveryReport:
     """What a recovery did (:func:`~lightning_dlrover.fault.restart.reshard.restore` or an in-process rejoin): the recovered ``step``, the failed job's ``world_size``, the ``lost`` ranks

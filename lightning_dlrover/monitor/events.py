@@ -99,7 +99,15 @@ KINDS: dict[str, tuple[str, ...]] = {
     "grown_in_process": ("survivor", "old_world_size", "world_size", "joined_ranks", "decode_s", "reshard_s",
                          "lost_at", "failed_at", "connected_at", "restored_at"),
     "grow_failed": ("generation", "error"),
-    # $LIGHTNING_DLROVER_VERIFY_RESIZE=1, rank 0 after a grow: the whole training state's digest before and after
+    # every rank after the tables were planned and sharded anew in process at the same world size (the advisor's
+    # re-plan; sharding: the new plan in words); reshard_failed: half-way (spills written, restart)
+    "resharded_in_process": ("world_size", "sharding", "decode_s", "reshard_s", "failed_at", "restored_at"),
+    "reshard_failed": ("error",),
+    # rank 0, after a shrink, grow or re-shard in process changed the order of the pooled embeddings' keys (before,
+    # after: {module path: keys}): a model reading KeyedTensor.values() by position sees its features permuted
+    "feature_order_changed": ("before", "after"),
+    # $LIGHTNING_DLROVER_VERIFY_RESIZE=1, rank 0 after a grow or re-shard: the whole training state's digest before and
+    # after
     "resize_verified": ("world_size", "before", "after", "equal"),
     "vote_completed_elsewhere": (),  # a survivor whose vote broke commits the step (step) another survivor committed
     "node_lost": ("node", "ranks", "silent_s"),  # machine 0's launcher: another machine's launcher went silent

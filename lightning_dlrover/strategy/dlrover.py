@@ -10,6 +10,7 @@ size. Fault tolerance (the per-step commit, spills, restore, fallback) is the
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -296,6 +297,13 @@ class DLRoverStrategy(DDPStrategy):
         """Plans the sharding of ``module``'s embedding tables and wraps it in ``DistributedModelParallel``."""
         self._dmp = shard(self, module)
         return self._dmp
+
+    def replan_in_process(self, pooling_factors: Mapping[str, float]) -> bool:
+        """Plans the tables' sharding anew with measured ``pooling_factors`` (ids per sample, by table) and re-shards
+        them in process at the next commit boundary, nothing lost; call it on every rank at the same step
+        (``ResourceAdvisor(apply=True)`` does). ``False``, and nothing changes, unless the job recovers in process
+        (``lightning-dlrover launch``, with parity)."""
+        return in_process.request_replan(self, pooling_factors)
 
     def training_state(self) -> dict[str, Any]:
         """The full training state: model (sharded tables as ``ShardedTensor``), fused and dense optimizer state."""

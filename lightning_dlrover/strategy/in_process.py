@@ -19,16 +19,20 @@ restore the committed state together.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 
 from lightning_dlrover import lightning_glue as glue
-from lightning_dlrover.fault import VERIFY_RESIZE_ENV, FaultManager, GrowRequested, Host
+from lightning_dlrover import torchrec_glue
+from lightning_dlrover.fault import VERIFY_RESIZE_ENV, FaultManager, GrowRequested, Host, ReshardRequested
 from lightning_dlrover.monitor import emit, state_digest
 from lightning_dlrover.strategy import shard_model
+from lightning_dlrover.strategy.sharding import TableConstraint, describe_plan
 
 if TYPE_CHECKING:
     from lightning_dlrover.fault.inplace.protocol import InProcessRecovery
@@ -48,21 +52,21 @@ def install(trainer: pl.Trainer, host: Host, recovery: InProcessRecovery) -> Non
 
     def recover(error: BaseException) -> bool:
         model = strategy.model
-        before = verify_digest(strategy) if isinstance(error, GrowRequested) else None
+        before = verify_digest(strategy) if isinstance(error, (GrowRequested, ReshardRequested)) else None
         report = recovery.recover(host, error)
         if report is None:
             return False
         if strategy.model is model:  # (a shrink built a new one)
             glue.reset_inner_ddp(model)
         resume(report)
-        if before is not None and recovery.grew:
+        if before is not None and recovery.resized:
             verified(strategy, report, before)
         return True
 
     def join() -> None:
         report = recovery.join(host)
         resume(report)
-        if recovery.grew and verify_digest(strategy) is not None:  # (the running ranks' digest before is theirs)
+        if recovery.resized and verify_digest(strategy) is not None:  # (the running ranks' digest before is theirs)
             verified(strategy, report, None)
 
     recovery.resharder = Resharder(trainer, strategy)
@@ -86,8 +90,9 @@ class Resharder:
         shard_model.unshard(self.strategy, module)
         return shard_model.plan_for(self.strategy, module, world_size)
 
-    def reshard(self, rank: int, world_size: int, plan: Any | None = None) -> None:
+    def reshard(self, rank: int, world_size: int, plan: Any | None = None) -> str:
         strategy, module = self.strategy, self.strategy.lightning_module
+        order = torchrec_glue.pooled_key_order(module)
         renumber(strategy, rank, world_size)
         if plan is None:  # a shrink: the survivors plan together in the smaller world
             shard_model.unshard(strategy, module)
@@ -96,6 +101,31 @@ class Resharder:
             with strategy.fault.building_alone():
                 strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False, plan=plan)
         strategy.setup_optimizers(self.trainer)
+        if (new := torchrec_glue.pooled_key_order(module)) != order and strategy.is_global_zero:
+            emit("feature_order_changed", step=strategy.fault.committed_step, before=order, after=new,
+                 message="the new sharding plan orders the pooled embeddings anew: a model that reads the sharded "
+                 "EmbeddingBagCollection's output by position (KeyedTensor.values()) sees its features permuted from "
+                 "here on; read it by key (to_dict(), as TorchRec's DLRM does) and nothing changes. "
+                 + "; ".join(f"{path or 'model'}: {', '.join(order.get(path, []))} -> {', '.join(keys)}"
+                             for path, keys in new.items() if keys != order.get(path)))
+        return describe_plan(strategy._dmp.plan)
+
+
+def request_replan(strategy: DLRoverStrategy, pooling_factors: Mapping[str, float]) -> bool:
+    """Puts measured ``pooling_factors`` (ids per sample, by table) into ``strategy``'s planner constraints and asks for
+    the tables to be planned and sharded anew at the next commit boundary (see ``DLRoverStrategy.replan_in_process``).
+    ``False``, and nothing changes, unless the job recovers in process. Raises ``ValueError`` for an unknown table."""
+    recovery = strategy.fault.in_process_recovery()
+    if recovery is None or recovery.resharder is None or strategy.parity is None or strategy._dmp is None:
+        return False
+    tables = {table for module_plan in strategy._dmp.plan.plan.values() for table in module_plan}  # type: ignore[union-attr]
+    if unknown := sorted(set(pooling_factors) - tables):
+        raise ValueError(f"replan_in_process: the model has no tables {unknown}; its tables are {sorted(tables)}")
+    for table, factor in pooling_factors.items():
+        old = strategy.constraints.get(table, TableConstraint())
+        strategy.constraints[table] = dataclasses.replace(old, pooling_factors=[float(factor)])
+    strategy.fault.request_reshard()
+    return True
 
 
 def verify_digest(strategy: DLRoverStrategy) -> str | None:
@@ -105,12 +135,12 @@ def verify_digest(strategy: DLRoverStrategy) -> str | None:
 
 
 def verified(strategy: DLRoverStrategy, report: RecoveryReport, before: str | None) -> None:
-    """After a grow, with ``$LIGHTNING_DLROVER_VERIFY_RESIZE=1``: the ``resize_verified`` event (rank 0 compares the
-    running ranks' digest of the committed state before the grow with the grown job's)."""
+    """After a grow or re-shard, with ``$LIGHTNING_DLROVER_VERIFY_RESIZE=1``: the ``resize_verified`` event (rank 0
+    compares the running ranks' digest of the committed state before it with the digest after it)."""
     after = verify_digest(strategy) if before is not None else None
     if before is not None and strategy.is_global_zero:
         emit("resize_verified", step=report.step, world_size=strategy.world_size, before=before, after=after,
-             equal=before == after, message=f"the state at step {report.step} after the grow "
+             equal=before == after, message=f"the state at step {report.step} after the re-shard "
              f"{'equals' if before == after else 'DIFFERS FROM'} the committed state before it ({before[:12]})")
 
 

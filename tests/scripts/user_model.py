@@ -98,9 +98,10 @@ def logged_init(path: str, weight: torch.Tensor) -> torch.Tensor:
 
 class UserModel(pl.LightningModule):
     def __init__(self, manual: bool = False, global_batch: int = 64, collection: bool = False,
-                 plain_loader: bool = False, init_log: str | None = None) -> None:
+                 plain_loader: bool = False, init_log: str | None = None, by_key: bool = False) -> None:
         super().__init__()
         self.plain_loader = plain_loader
+        self.by_key = by_key
         self.automatic_optimization = not manual
         self.global_batch = global_batch
         self.collection = collection
@@ -129,7 +130,8 @@ class UserModel(pl.LightningModule):
             out = self.ec(kjt)
             sparse = torch.cat([out[f"f{t}"].values() for t in range(TABLES)], dim=1)
         else:
-            sparse = self.ebc(kjt).values()
+            pooled = self.ebc(kjt)  # by position (the plan's order), or by key with --by-key
+            sparse = torch.cat([pooled[f"f{t}"] for t in range(TABLES)], dim=1) if self.by_key else pooled.values()
         return self.top(torch.cat([self.bottom(dense), sparse], dim=1)).squeeze(1)
 
     def training_step(self, batch, batch_idx: int):
@@ -178,6 +180,18 @@ class SlowWhileShort(pl.Callback):
             time.sleep(self.seconds)
 
 
+class ReplanAt(pl.Callback):
+    """At the end of step ``step`` (every rank): asks the strategy to plan the tables anew with ``pooling_factors``, as
+    ``ResourceAdvisor(apply=True)`` does with measured ones."""
+
+    def __init__(self, step: int, pooling_factors: dict[str, float]) -> None:
+        self.step, self.pooling_factors = step, pooling_factors
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            assert trainer.strategy.replan_in_process(self.pooling_factors)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=2, help="ignored under torchrun")
@@ -189,6 +203,10 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=0)
     parser.add_argument("--init-log", default=None, help="tables initialised by an init_fn that logs its pid here")
     parser.add_argument("--root", default=".")
+    parser.add_argument("--by-key", action="store_true",
+                        help="read the pooled embeddings by key, not by position (KeyedTensor.values(): the plan's order)")
+    parser.add_argument("--replan-at", type=int, default=0, metavar="STEP",
+                        help="re-plan the tables in process after STEP, with t0 and t2 (both on rank 0 at first) 20x hotter than the others")
     parser.add_argument("--slow-while-short", type=float, default=0.0, metavar="S",
                         help="sleep S seconds per step while the job runs below its launch world size")
     parser.add_argument("--resume", default=None)
@@ -204,6 +222,8 @@ def main() -> None:
     callbacks = []
     if args.slow_while_short:
         callbacks.append(SlowWhileShort(args.slow_while_short))
+    if args.replan_at:
+        callbacks.append(ReplanAt(args.replan_at, {"t0": 20.0, "t2": 20.0}))
     if args.ckpt_every:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.root, "checkpoints"),
                                          every_n_train_steps=args.ckpt_every, save_top_k=-1))
@@ -223,7 +243,7 @@ def main() -> None:
         enable_model_summary=False,
     )
     model = UserModel(manual=args.manual, collection=args.collection, plain_loader=args.plain_loader,
-                      init_log=args.init_log)
+                      init_log=args.init_log, by_key=args.by_key)
     trainer.fit(model, ckpt_path=args.resume)
     for path in args.save_after:
         trainer.save_checkpoint(path)

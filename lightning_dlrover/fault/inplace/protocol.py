@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.inplace import membership, shrink, spare
 from lightning_dlrover.fault.inplace.process_group import BACKEND, ReconfigurableGroup, divide_by_live_size, register
-from lightning_dlrover.fault.report import GrowRequested, RecoveryReport
+from lightning_dlrover.fault.report import GrowRequested, RecoveryReport, ReshardRequested
 from lightning_dlrover.fault.restart.renumber import survivor_ranks
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor import emit
@@ -79,10 +79,11 @@ class Resharder(Protocol):
         """Puts the model's unsharded tables back and plans their sharding for ``world_size`` ranks (a collective over
         the current world); kept in the launcher's store for the ranks that join."""
 
-    def reshard(self, rank: int, world_size: int, plan: Any | None = None) -> None:
+    def reshard(self, rank: int, world_size: int, plan: Any | None = None) -> str:
         """Makes this process ``rank`` of ``world_size`` and shards its model anew for that world with fresh
-        optimizers; with ``plan`` (a grow), alone: the joining ranks build theirs at the same time, so collectives
-        are answered locally, as a replacement's are."""
+        optimizers (planned with the strategy's constraints now, unless ``plan``); with ``plan`` (a grow), alone: the
+        joining ranks build theirs at the same time, so collectives are answered locally, as a replacement's are.
+        Returns the new plan in words."""
 
 
 @dataclass
@@ -178,7 +179,7 @@ class InProcessRecovery:
         #: Set by the strategy: re-shards the model for a shrink or grow; the committed state is restored into it
         #: afterwards. ``None``: shrink plans are refused.
         self.resharder: Resharder | None = None
-        self.grew = False  # this process took part in a grow (survivor or joining) in its last recovery
+        self.resized = False  # this process took part in a grow or re-shard (running or joining) in its last recovery
         if self._store is not None and self._group is not None:
             manager.grow_poll = self._grow_requested
 
@@ -216,6 +217,9 @@ class InProcessRecovery:
                  message=f"rank {host.global_rank}: a rank was lost before the first commit: restarting the job")
             return None
         self.times = JoinTimes(failed_at=time.time())
+        self.resized = isinstance(error, ReshardRequested)
+        if self.resized:
+            return self.reshard(host)
         plan = membership.wait_for_plan(self._store, restart_count(), group.generation + 1)
         if plan is None:
             emit("in_process_refused", why="no recovery plan from the launcher", error=str(error)[:200],
@@ -229,7 +233,7 @@ class InProcessRecovery:
                  "the job: not recovering in process")
             return None
         self.times.lost_at = plan.reported_at
-        self.grew = plan.grow
+        self.resized = plan.grow
         if plan.grow:
             return self.grow(host, plan)
         if plan.shrinks:
@@ -315,6 +319,29 @@ class InProcessRecovery:
             return None
         return self._grown(host, plan, old_world, report, survivor=True)
 
+    def reshard(self, host: Host) -> RecoveryReport | None:
+        """On every rank, at the commit boundary they agreed on: plans the tables anew at the same world size (the
+        strategy's constraints changed: the advisor's re-plan) and restores the committed state into the new layout.
+        ``None`` when it fails half-way: the spills are written and the launcher's restart path takes over."""
+        group = world_group()
+        assert group is not None and self.resharder is not None
+        spills = self.manager.leave_behind()
+        try:
+            placement = self.resharder.reshard(host.global_rank, host.world_size)
+            report = self._restore_resized(host, group, spills)
+        except Exception as err:  # noqa: BLE001 - half-way: the restart path takes over from the state before it
+            self.manager.write_left_behind(spills)
+            emit("reshard_failed", step=self.manager.committed_step, error=f"{type(err).__name__}: {str(err)[:200]}",
+                 message=f"rank {host.global_rank}: re-sharding in process failed half-way ({err}); the committed "
+                 "state is spilled and every worker restarts from it")
+            return None
+        self.times.restored_at = time.time()
+        emit("resharded_in_process", step=report.step, world_size=host.world_size, sharding=placement,
+             decode_s=report.decode_s, reshard_s=report.reshard_s, failed_at=self.times.failed_at,
+             restored_at=self.times.restored_at, message=f"re-sharded in process at step {report.step} in "
+             f"{self.times.restored_at - self.times.failed_at:.2f} s: {placement}" if host.is_global_zero else None)
+        return report
+
     def _grown(self, host: Host, plan: membership.Plan, old_world: int, report: RecoveryReport,
                survivor: bool) -> RecoveryReport:
         self.times.restored_at = time.time()
@@ -339,7 +366,7 @@ class InProcessRecovery:
         self.times.connected_at = time.time()
         plan = membership.wait_for_plan(self._store, restart_count(), group.generation) if self._store else None
         if plan is not None and plan.grow:  # the running ranks re-shard their committed state onto this one too
-            self.grew = True
+            self.resized = True
             report = self._restore_resized(host, group, [])
             return self._grown(host, plan, report.world_size, report, survivor=False)
         return self._restore(host, survivor=False, lost=plan.lost if plan is not None else [host.global_rank])
