@@ -292,13 +292,18 @@ class ResourceAdvisor(Callback):
 
     def _recommend(self, trainer: Trainer, step: int) -> None:
         """End of the profiling window: rank 0 fits and recommends (and re-plans), every rank acts on it."""
-        target = None
+        target, replan = None, None
         if trainer.is_global_zero:
             target = self._part("recommend", "no recommendation: the configuration is kept", trainer,
                                 lambda: self.window.fit_and_recommend(self.actor.current, self.recorder.prior,
                                                                       self.recorder.past_observations))
             self._part("replan", "no re-plan advice", trainer, lambda: self._replan(trainer))
-        target = broadcast(trainer.world_size, target)  # rank 0's part failed: None on every rank, nothing to act on
+            advice = self.replan_advice
+            replan = advice.pooling_factors if self.config.apply and advice is not None and advice.worthwhile else None
+        # rank 0's part failed: None on every rank, nothing to act on
+        target, replan = broadcast(trainer.world_size, (target, replan))
+        if replan is not None:
+            self._part("replan", "the re-plan stays advice", trainer, lambda: self._apply_replan(trainer, replan, step))
         if target is None:
             return
         self.window.recommended_at = RecommendedAt(step, time.time() - self._start_time)
@@ -314,6 +319,14 @@ class ResourceAdvisor(Callback):
         if advice is not None:
             self.replan_advice = advice
             self._finding(advice.message(), None, trainer.global_step, {})
+
+    def _apply_replan(self, trainer: Trainer, pooling_factors: dict[str, float], step: int) -> None:
+        """Every rank: hands a worthwhile re-plan to the strategy, which re-shards in process at its next commit where it
+        can (``lightning-dlrover launch``) unless the new plan would reorder the pooled embeddings; else it stays advice."""
+        apply = getattr(trainer.strategy, "replan_in_process", None)
+        if apply is not None and apply(pooling_factors, keep_feature_order=True):
+            emit("advice_applied", step=step, stage="profile", knob="sharding_plan", old=None, new=pooling_factors,
+                 via=f"{type(trainer.strategy).__name__}.replan_in_process")
 
     def _finding(self, message: str, kind: str | None, step: int, fields: dict[str, Any]) -> None:
         self.findings.append(message)

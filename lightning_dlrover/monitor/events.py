@@ -106,6 +106,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     # rank 0, after a shrink, grow or re-shard in process changed the order of the pooled embeddings' keys (before,
     # after: {module path: keys}): a model reading KeyedTensor.values() by position sees its features permuted
     "feature_order_changed": ("before", "after"),
+    # every rank of a re-plan asked to keep that order (the advisor's): the new plan (after) would have moved it, and
+    # the tables stay where they were
+    "replan_refused": ("before", "after"),
     # $LIGHTNING_DLROVER_VERIFY_RESIZE=1, rank 0 after a grow or re-shard: the whole training state's digest before and
     # after
     "resize_verified": ("world_size", "before", "after", "equal"),

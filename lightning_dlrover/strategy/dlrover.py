@@ -298,12 +298,12 @@ class DLRoverStrategy(DDPStrategy):
         self._dmp = shard(self, module)
         return self._dmp
 
-    def replan_in_process(self, pooling_factors: Mapping[str, float]) -> bool:
+    def replan_in_process(self, pooling_factors: Mapping[str, float], keep_feature_order: bool = False) -> bool:
         """Plans the tables' sharding anew with measured ``pooling_factors`` (ids per sample, by table) and re-shards
         them in process at the next commit boundary, nothing lost; call it on every rank at the same step
-        (``ResourceAdvisor(apply=True)`` does). ``False``, and nothing changes, unless the job recovers in process
-        (``lightning-dlrover launch``, with parity)."""
-        return in_process.request_replan(self, pooling_factors)
+        (``ResourceAdvisor(apply=True)`` does, with ``keep_feature_order``: a new plan that would reorder the pooled
+        embeddings is undone). ``False``, and nothing changes, unless the job recovers in process (``launch``)."""
+        return in_process.request_replan(self, pooling_factors, keep_feature_order)
 
     def training_state(self) -> dict[str, Any]:
         """The full training state: model (sharded tables as ``ShardedTensor``), fused and dense optimizer state."""

@@ -77,13 +77,15 @@ def install(trainer: pl.Trainer, host: Host, recovery: InProcessRecovery) -> Non
 
 
 class Resharder:
-    """Re-shards a survivor's model for a new world size (a shrink or grow in process): the environment, Lightning's
-    ranks and the data follow, the tables are sharded anew (uninitialised: the committed state is restored into them
-    afterwards) and the optimizers are set up again. Raises on any failure: the caller writes the spills of the
-    committed state and the launcher restarts every worker from them."""
+    """Re-shards a survivor's model for a new world size (a shrink or grow in process) or a new plan (a re-plan): the
+    environment, Lightning's ranks and the data follow, the tables are sharded anew (uninitialised: the committed state
+    is restored into them afterwards) and the optimizers are set up again. Raises on any failure: the caller writes the
+    spills of the committed state and the launcher restarts every worker from them."""
 
     def __init__(self, trainer: pl.Trainer, strategy: DLRoverStrategy) -> None:
         self.trainer, self.strategy = trainer, strategy
+        #: A re-plan that would move the pooled embeddings' key order is undone (the old plan and constraints back).
+        self.keep_order: dict[str, Any] | None = None  # the constraints before the re-plan, while one is asked for
 
     def plan(self, world_size: int) -> Any:
         module = self.strategy.lightning_module
@@ -93,25 +95,39 @@ class Resharder:
     def reshard(self, rank: int, world_size: int, plan: Any | None = None) -> str:
         strategy, module = self.strategy, self.strategy.lightning_module
         order = torchrec_glue.pooled_key_order(module)
+        kept, old_plan, self.keep_order = self.keep_order, strategy._dmp.plan, None
+        kept = kept if world_size == strategy.world_size else None  # (a re-plan's; a shrink or grow moves on)
         renumber(strategy, rank, world_size)
-        if plan is None:  # a shrink: the survivors plan together in the smaller world
+        if plan is None:  # a shrink or re-plan: the ranks plan together in the (new) world
             shard_model.unshard(strategy, module)
             strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False)
         else:  # a grow: the joining ranks build alone (collectives answered locally), and so do these, at once
             with strategy.fault.building_alone():
                 strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False, plan=plan)
+        if (new := torchrec_glue.pooled_key_order(module)) != order and kept is not None:  # back to the old plan
+            emit("replan_refused", step=strategy.fault.committed_step, before=order, after=new,
+                 message="not re-planning in process: the new plan would order the pooled embeddings anew "
+                 f"({_moves(order, new)}), which a model reading them by position (KeyedTensor.values()) would see as "
+                 "permuted features; the tables stay where they were" if strategy.is_global_zero else None)
+            strategy.constraints = kept
+            shard_model.unshard(strategy, module)
+            strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False, plan=old_plan)
+            new = order
         strategy.setup_optimizers(self.trainer)
-        if (new := torchrec_glue.pooled_key_order(module)) != order and strategy.is_global_zero:
+        if new != order and strategy.is_global_zero:
             emit("feature_order_changed", step=strategy.fault.committed_step, before=order, after=new,
                  message="the new sharding plan orders the pooled embeddings anew: a model that reads the sharded "
                  "EmbeddingBagCollection's output by position (KeyedTensor.values()) sees its features permuted from "
-                 "here on; read it by key (to_dict(), as TorchRec's DLRM does) and nothing changes. "
-                 + "; ".join(f"{path or 'model'}: {', '.join(order.get(path, []))} -> {', '.join(keys)}"
-                             for path, keys in new.items() if keys != order.get(path)))
+                 f"here on; read it by key (to_dict(), as TorchRec's DLRM does) and nothing changes. {_moves(order, new)}")
         return describe_plan(strategy._dmp.plan)
 
 
-def request_replan(strategy: DLRoverStrategy, pooling_factors: Mapping[str, float]) -> bool:
+def _moves(before: dict[str, list[str]], after: dict[str, list[str]]) -> str:
+    return "; ".join(f"{path or 'model'}: {', '.join(before.get(path, []))} -> {', '.join(keys)}"
+                     for path, keys in after.items() if keys != before.get(path))
+
+
+def request_replan(strategy: DLRoverStrategy, pooling_factors: Mapping[str, float], keep_feature_order: bool) -> bool:
     """Puts measured ``pooling_factors`` (ids per sample, by table) into ``strategy``'s planner constraints and asks for
     the tables to be planned and sharded anew at the next commit boundary (see ``DLRoverStrategy.replan_in_process``).
     ``False``, and nothing changes, unless the job recovers in process. Raises ``ValueError`` for an unknown table."""
@@ -121,6 +137,7 @@ def request_replan(strategy: DLRoverStrategy, pooling_factors: Mapping[str, floa
     tables = {table for module_plan in strategy._dmp.plan.plan.values() for table in module_plan}  # type: ignore[union-attr]
     if unknown := sorted(set(pooling_factors) - tables):
         raise ValueError(f"replan_in_process: the model has no tables {unknown}; its tables are {sorted(tables)}")
+    recovery.resharder.keep_order = dict(strategy.constraints) if keep_feature_order else None  # type: ignore[attr-defined]
     for table, factor in pooling_factors.items():
         old = strategy.constraints.get(table, TableConstraint())
         strategy.constraints[table] = dataclasses.replace(old, pooling_factors=[float(factor)])
