@@ -83,6 +83,10 @@ class ResourceAdvisor(Callback):
         restart: what to do when the recommendation needs a restart (world size, nodes): ``"print"`` the command,
             config and Kubernetes changes and train on; ``"stop"``: also save a checkpoint at that step boundary and
             stop the fit, for a relaunch with the printed command (see :mod:`~lightning_dlrover.advisor.restart`).
+        reorder_features: with ``apply``, a worthwhile sharding re-plan is applied in process (under
+            ``lightning-dlrover launch``) even when it reorders the sharded collections' pooled embeddings: say so when
+            the model reads them by key (``KeyedTensor.to_dict()``, as TorchRec's DLRM does). By default a re-plan that
+            would reorder them is undone, since a model reading ``values()`` by position would see permuted features.
     """
 
     def __init__(self, profile_steps: int = 30, probe_steps: int = 6, settle_steps: int = 2, apply: bool = False,
@@ -92,7 +96,7 @@ class ResourceAdvisor(Callback):
                  straggler_patience: int = 2, memory_limit_bytes: int | None = None,
                  oom_horizon_steps: int | None = None, hot_rank_factor: float = 1.5, cost_per_node_hour: float = 1.0,
                  cost_per_core_hour: float = 0.0, extrapolate: bool = False, report_dir: str | None = None,
-                 restart: RestartMode = "print") -> None:
+                 restart: RestartMode = "print", reorder_features: bool = False) -> None:
         self.config = AdvisorConfig(
             profile_steps=profile_steps, probe_steps=probe_steps, settle_steps=settle_steps, apply=apply,
             objective=objective, target_samples_per_sec=target_samples_per_sec, search=search, history=history,
@@ -100,7 +104,7 @@ class ResourceAdvisor(Callback):
             straggler_threshold=straggler_threshold, straggler_patience=straggler_patience,
             memory_limit_bytes=memory_limit_bytes, oom_horizon_steps=oom_horizon_steps, hot_rank_factor=hot_rank_factor,
             cost_per_node_hour=cost_per_node_hour, cost_per_core_hour=cost_per_core_hour, extrapolate=extrapolate,
-            report_dir=report_dir, restart=restart)
+            report_dir=report_dir, restart=restart, reorder_features=reorder_features)
         self.stragglers = StragglerDetector(straggler_threshold, straggler_patience)
         self.window = ProfilingWindow(self.config)
         self.recorder = JobRecorder(self.config)
@@ -110,6 +114,7 @@ class ResourceAdvisor(Callback):
         self.replan_advice: ReplanAdvice | None = None
         self._started = False
         self._owes, self._owed_once = False, None  # see _keep_in_step
+        self._replan_decided: int | None = None  # the check at which rank 0 decided whether to apply its re-plan
 
     def validate(self, world_size: int) -> None:
         """Raises a ``ValueError`` if the job history cannot be opened (e.g. its server is unreachable), in the
@@ -265,12 +270,34 @@ class ResourceAdvisor(Callback):
         if step % self.config.check_every_n_steps == 0:
             self.watch.check(trainer.global_rank, trainer.num_devices, trainer.world_size, step,
                              checkpoint_staging_bytes(trainer))
+            if self._replans_at(step):
+                self._replan_live(trainer, step)
 
     def _collectives_at(self, step: int) -> int:
         """The advisor's collectives in ``on_train_batch_end`` at ``step`` (probe ends, recommendation, check)."""
         if not self._started:
             return 0
-        return self.window.collectives_at(step) + (step % self.config.check_every_n_steps == 0)
+        check = step % self.config.check_every_n_steps == 0
+        return self.window.collectives_at(step) + check + (check and self._replans_at(step))
+
+    def _replans_at(self, step: int) -> bool:
+        """Whether the check at ``step`` decides on applying a re-plan (``apply``: once, at the first check that
+        measured the tables, and the same on every rank)."""
+        return self.config.apply and (self._replan_decided is None or self._replan_decided == step)
+
+    def _replan_live(self, trainer: Trainer, step: int) -> None:
+        """Rank 0 re-plans with the pooling factors measured so far; a worthwhile re-plan is applied on every rank."""
+        decided, replan = False, None
+        if trainer.is_global_zero:
+            self._part("replan", "no re-plan advice", trainer, lambda: self._replan(trainer))
+            advice = self.replan_advice
+            decided = advice is not None
+            replan = advice.pooling_factors if decided and advice.worthwhile else None
+        decided, replan = broadcast(trainer.world_size, (decided, replan))
+        if decided:
+            self._replan_decided = step
+        if replan is not None:
+            self._part("replan", "the re-plan stays advice", trainer, lambda: self._apply_replan(trainer, replan, step))
 
     def _keep_in_step(self, trainer: Trainer, due: Callable[[], int], before: int) -> None:
         """A hook ran ``held() - before`` of the ``due()`` collectives the other ranks hold in it. Failed on this rank
@@ -292,18 +319,13 @@ class ResourceAdvisor(Callback):
 
     def _recommend(self, trainer: Trainer, step: int) -> None:
         """End of the profiling window: rank 0 fits and recommends (and re-plans), every rank acts on it."""
-        target, replan = None, None
+        target = None
         if trainer.is_global_zero:
             target = self._part("recommend", "no recommendation: the configuration is kept", trainer,
                                 lambda: self.window.fit_and_recommend(self.actor.current, self.recorder.prior,
                                                                       self.recorder.past_observations))
             self._part("replan", "no re-plan advice", trainer, lambda: self._replan(trainer))
-            advice = self.replan_advice
-            replan = advice.pooling_factors if self.config.apply and advice is not None and advice.worthwhile else None
-        # rank 0's part failed: None on every rank, nothing to act on
-        target, replan = broadcast(trainer.world_size, (target, replan))
-        if replan is not None:
-            self._part("replan", "the re-plan stays advice", trainer, lambda: self._apply_replan(trainer, replan, step))
+        target = broadcast(trainer.world_size, target)  # rank 0's part failed: None on every rank, nothing to act on
         if target is None:
             return
         self.window.recommended_at = RecommendedAt(step, time.time() - self._start_time)
@@ -318,13 +340,13 @@ class ResourceAdvisor(Callback):
                                    self.recorder.signature.sharding_types, self.machine.device)
         if advice is not None:
             self.replan_advice = advice
-            self._finding(advice.message(), None, trainer.global_step, {})
+            self._finding(advice.message(self.config.apply), None, trainer.global_step, {})
 
     def _apply_replan(self, trainer: Trainer, pooling_factors: dict[str, float], step: int) -> None:
         """Every rank: hands a worthwhile re-plan to the strategy, which re-shards in process at its next commit where it
-        can (``lightning-dlrover launch``) unless the new plan would reorder the pooled embeddings; else it stays advice."""
+        can (``lightning-dlrover launch``; a plan that reorders the pooled embeddings only with ``reorder_features``)."""
         apply = getattr(trainer.strategy, "replan_in_process", None)
-        if apply is not None and apply(pooling_factors, keep_feature_order=True):
+        if apply is not None and apply(pooling_factors, keep_feature_order=not self.config.reorder_features):
             emit("advice_applied", step=step, stage="profile", knob="sharding_plan", old=None, new=pooling_factors,
                  via=f"{type(trainer.strategy).__name__}.replan_in_process")
 

@@ -180,10 +180,13 @@ class ReplanAdvice:
         lines += [f"  {t}: {{pooling_factors: [{pf:.3g}]}}" for t, pf in sorted(skewed, key=lambda x: _natural(x[0]))]
         return "\n".join(lines)
 
-    def message(self) -> str:
+    def message(self, applied: bool = False) -> str:
+        """The finding; ``applied``: the advisor hands the re-plan to the strategy (``apply=True``)."""
+        act = ("applied in process at the next commit under lightning-dlrover launch, else restart with the "
+               "constraints below" if applied else "restart with the constraints below")
         return (f"sharding plan: busiest rank {self.imbalance_before:.2f}x the mean embedding load with the planner's "
                 f"default pooling factors, {self.imbalance_after:.2f}x when re-planned with the measured ones"
-                + (" (restart with the constraints below)" if self.worthwhile else " (keep the current plan)"))
+                + (f" ({act})" if self.worthwhile else " (keep the current plan)"))
 
 
 def replan(tables: Sequence[TableSpec], features: Mapping[str, Sequence[str]], world_size: int, local_world_size: int,

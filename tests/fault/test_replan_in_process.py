@@ -31,3 +31,27 @@ def test_a_replan_in_process_moves_the_tables_and_trains_on_exactly(tmp_path):
     assert (moved.fields["before"], moved.fields["after"]) == ({"ebc": ["f0", "f2", "f1", "f3"]},
                                                                {"ebc": ["f0", "f1", "f2", "f3"]})
     assert digest == fault_free(tmp_path / "reference", script_args=("--by-key",))
+
+
+def test_the_advisor_applies_its_re_plan_in_process_and_keeps_a_position_reading_model_as_it_was(tmp_path):
+    """``ResourceAdvisor(apply=True)`` on the model with multi-hot t0 and t2 (20 ids per sample), both on rank 0: at
+    its first check (step 10) it measures rank 0 at 1.9x the mean load and hands the re-plan to the strategy. A model
+    that reads the pooled embeddings by key (``reorder_features=True``) is re-sharded in process; one that reads them
+    by position is left as it was (the new plan would permute its features)."""
+    for name, by_key in (("by-key", True), ("by-position", False)):
+        _, events, output = launch(tmp_path, name, "--spares", "0", steps=16,
+                                   script_args=("--multi-hot", "20", "--advisor", *(["--by-key"] if by_key else [])),
+                                   env={"LIGHTNING_DLROVER_VERIFY_RESIZE": "1"})
+        kinds = [e.kind for e in events]
+        assert not {"restarting_all", "reshard_failed", "addon_failed"} & set(kinds), output[-4000:]
+        applied = [e for e in events if e.kind == "advice_applied" and e.fields["knob"] == "sharding_plan"]
+        assert sorted(e.rank for e in applied) == [0, 1] and all(e.step == 10 for e in applied), kinds
+        assert applied[0].fields["new"] == {"t0": 20.0, "t1": 1.0, "t2": 20.0, "t3": 1.0}
+        resharded = next(e for e in events if e.kind == "resharded_in_process")
+        assert next(e for e in events if e.kind == "resize_verified").fields["equal"]
+        if by_key:
+            assert resharded.fields["sharding"] == "table_wise: t0@0 t1@0 t2@1 t3@1" and "replan_refused" not in kinds
+        else:
+            assert resharded.fields["sharding"] == "table_wise: t0@0 t1@1 t2@0 t3@1"  # where they were
+            refused = next(e for e in events if e.kind == "replan_refused")
+            assert refused.fields["after"] == {"ebc": ["f0", "f1", "f2", "f3"]} and "feature_order_changed" not in kinds

@@ -29,13 +29,17 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollec
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from lightning_dlrover import DLRoverStrategy, ParityConfig, elastic_trainer_args
+from lightning_dlrover import DLRoverStrategy, ParityConfig, ResourceAdvisor, elastic_trainer_args
 
 TABLES, ROWS, DIM, DENSE = 4, 300, 8, 6
 
 
 class ClickDataset(Dataset):
-    """Sample ``i`` is a pure function of ``i``: dense features, one id per table (skewed), a label."""
+    """Sample ``i`` is a pure function of ``i``: dense features, one id per table (skewed), a label; with ``multi_hot``
+    K > 1, tables t0 and t2 take K ids per sample (multi-hot features: hot tables for the planner)."""
+
+    def __init__(self, multi_hot: int = 1) -> None:
+        self.multi_hot = multi_hot
 
     def __len__(self) -> int:
         return 1_000_000
@@ -45,11 +49,20 @@ class ClickDataset(Dataset):
         dense = torch.randn(DENSE, generator=g)
         ids = (torch.rand(TABLES, generator=g) ** 3 * ROWS).long()
         label = (dense[0] + 0.1 * ids[0].float() / ROWS > 0).float()
+        if self.multi_hot > 1:
+            extra = (torch.rand(2, self.multi_hot - 1, generator=g) ** 3 * ROWS).long()
+            ids = [torch.cat([ids[t : t + 1], extra[t // 2]]) if t in (0, 2) else ids[t : t + 1] for t in range(TABLES)]
         return dense, ids, label
 
 
 def collate(samples: list) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
     dense = torch.stack([s[0] for s in samples])
+    if isinstance(samples[0][1], list):  # multi-hot: per table, per sample
+        per_table = [[s[1][t] for s in samples] for t in range(TABLES)]
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{t}" for t in range(TABLES)], values=torch.cat([i for ids in per_table for i in ids]),
+            lengths=torch.tensor([len(i) for ids in per_table for i in ids], dtype=torch.int32))
+        return dense, kjt, torch.stack([s[2] for s in samples])
     ids = torch.stack([s[1] for s in samples])  # [batch, tables]
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=[f"f{t}" for t in range(TABLES)], values=ids.t().reshape(-1), lengths=torch.ones(ids.numel(), dtype=torch.int32)
@@ -98,10 +111,11 @@ def logged_init(path: str, weight: torch.Tensor) -> torch.Tensor:
 
 class UserModel(pl.LightningModule):
     def __init__(self, manual: bool = False, global_batch: int = 64, collection: bool = False,
-                 plain_loader: bool = False, init_log: str | None = None, by_key: bool = False) -> None:
+                 plain_loader: bool = False, init_log: str | None = None, by_key: bool = False,
+                 multi_hot: int = 1) -> None:
         super().__init__()
         self.plain_loader = plain_loader
-        self.by_key = by_key
+        self.by_key, self.multi_hot = by_key, multi_hot
         self.automatic_optimization = not manual
         self.global_batch = global_batch
         self.collection = collection
@@ -164,7 +178,7 @@ class UserModel(pl.LightningModule):
         sampler = RankSlice(self.trainer.global_rank, self.trainer.world_size, self.global_batch)
         if self.plain_loader:
             return DataLoader(ClickStream(sampler, self.global_batch // self.trainer.world_size), batch_size=None)
-        return StatefulDataLoader(ClickDataset(), batch_size=self.global_batch // self.trainer.world_size,
+        return StatefulDataLoader(ClickDataset(self.multi_hot), batch_size=self.global_batch // self.trainer.world_size,
                                   sampler=sampler, collate_fn=collate)
 
 
@@ -205,6 +219,8 @@ def main() -> None:
     parser.add_argument("--root", default=".")
     parser.add_argument("--by-key", action="store_true",
                         help="read the pooled embeddings by key, not by position (KeyedTensor.values(): the plan's order)")
+    parser.add_argument("--multi-hot", type=int, default=1, metavar="K", help="t0 and t2 take K ids per sample")
+    parser.add_argument("--advisor", action="store_true", help="a ResourceAdvisor that applies its advice")
     parser.add_argument("--replan-at", type=int, default=0, metavar="STEP",
                         help="re-plan the tables in process after STEP, with t0 and t2 (both on rank 0 at first) 20x hotter than the others")
     parser.add_argument("--slow-while-short", type=float, default=0.0, metavar="S",
@@ -222,6 +238,9 @@ def main() -> None:
     callbacks = []
     if args.slow_while_short:
         callbacks.append(SlowWhileShort(args.slow_while_short))
+    if args.advisor:  # the advisor applies what it finds, with this model reading its pooled embeddings by key
+        callbacks.append(ResourceAdvisor(profile_steps=6, probe_steps=3, settle_steps=1, apply=True, history=None,
+                                         reorder_features=args.by_key, report_dir=os.path.join(args.root, "advisor")))
     if args.replan_at:
         callbacks.append(ReplanAt(args.replan_at, {"t0": 20.0, "t2": 20.0}))
     if args.ckpt_every:
@@ -243,7 +262,7 @@ def main() -> None:
         enable_model_summary=False,
     )
     model = UserModel(manual=args.manual, collection=args.collection, plain_loader=args.plain_loader,
-                      init_log=args.init_log, by_key=args.by_key)
+                      init_log=args.init_log, by_key=args.by_key, multi_hot=args.multi_hot)
     trainer.fit(model, ckpt_path=args.resume)
     for path in args.save_after:
         trainer.save_checkpoint(path)
