@@ -52,6 +52,8 @@ REPLACEMENT_TIMEOUT_ENV = "LIGHTNING_DLROVER_REPLACEMENT_TIMEOUT"
 #: Seconds the ranks of a launch wait for each other to start their process group (default 600): every rank
 #: imports torch, Lightning and TorchRec first, which on a loaded machine can take minutes.
 START_TIMEOUT_ENV = "LIGHTNING_DLROVER_START_TIMEOUT"
+#: ``1``: the launcher grows the job back after a shrink (``launch --regrow``): rank 0 looks for its request at commits.
+REGROW_ENV = "LIGHTNING_DLROVER_REGROW"
 PREFIX = "lightning_dlrover/"
 
 

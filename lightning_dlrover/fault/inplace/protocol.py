@@ -180,13 +180,14 @@ class InProcessRecovery:
         #: afterwards. ``None``: shrink plans are refused.
         self.resharder: Resharder | None = None
         self.resized = False  # this process took part in a grow or re-shard (running or joining) in its last recovery
-        if self._store is not None and self._group is not None:
+        if self._store is not None and self._group is not None and os.environ.get(membership.REGROW_ENV) == "1":
             manager.grow_poll = self._grow_requested
 
     def _grow_requested(self) -> bool:
-        """On rank 0, at each commit: whether the launcher asked the job to grow (one store look-up)."""
+        """On rank 0 of a job short of its launch size, at each commit: whether the launcher asked it to grow (one
+        store look-up; ``launch --regrow`` only)."""
         group = self._group
-        if group is None or self._store is None or group.rank() != 0 or group.joining:
+        if group is None or self._store is None or group.rank() != 0 or group.joining or group.size() >= group.launch_size:
             return False
         try:
             return membership.grow_requested(self._store, restart_count(), group.generation)

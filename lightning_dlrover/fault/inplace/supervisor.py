@@ -89,7 +89,7 @@ class Supervisor:
         env.update(
             WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(a.nproc_per_node), GROUP_RANK=str(a.node_rank),
             MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True",
-            **{worker_env.RUN_ID: self.run_id, membership.STORE_ENV: a.master},
+            **{worker_env.RUN_ID: self.run_id, membership.STORE_ENV: a.master, membership.REGROW_ENV: str(int(a.regrow))},
         )  # fmt: skip
         if "OMP_NUM_THREADS" not in os.environ and a.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
             env["OMP_NUM_THREADS"] = "1"  # (read when OpenMP and OpenBLAS load: the zygote must import with it)
