@@ -83,10 +83,6 @@ class ResourceAdvisor(Callback):
         restart: what to do when the recommendation needs a restart (world size, nodes): ``"print"`` the command,
             config and Kubernetes changes and train on; ``"stop"``: also save a checkpoint at that step boundary and
             stop the fit, for a relaunch with the printed command (see :mod:`~lightning_dlrover.advisor.restart`).
-        reorder_features: with ``apply``, a worthwhile sharding re-plan is applied in process (under
-            ``lightning-dlrover launch``) even when it reorders the sharded collections' pooled embeddings: say so when
-            the model reads them by key (``KeyedTensor.to_dict()``, as TorchRec's DLRM does). By default a re-plan that
-            would reorder them is undone, since a model reading ``values()`` by position would see permuted features.
     """
 
     def __init__(self, profile_steps: int = 30, probe_steps: int = 6, settle_steps: int = 2, apply: bool = False,
@@ -96,7 +92,7 @@ class ResourceAdvisor(Callback):
                  straggler_patience: int = 2, memory_limit_bytes: int | None = None,
                  oom_horizon_steps: int | None = None, hot_rank_factor: float = 1.5, cost_per_node_hour: float = 1.0,
                  cost_per_core_hour: float = 0.0, extrapolate: bool = False, report_dir: str | None = None,
-                 restart: RestartMode = "print", reorder_features: bool = False) -> None:
+                 restart: RestartMode = "print") -> None:
         self.config = AdvisorConfig(
             profile_steps=profile_steps, probe_steps=probe_steps, settle_steps=settle_steps, apply=apply,
             objective=objective, target_samples_per_sec=target_samples_per_sec, search=search, history=history,
@@ -104,7 +100,7 @@ class ResourceAdvisor(Callback):
             straggler_threshold=straggler_threshold, straggler_patience=straggler_patience,
             memory_limit_bytes=memory_limit_bytes, oom_horizon_steps=oom_horizon_steps, hot_rank_factor=hot_rank_factor,
             cost_per_node_hour=cost_per_node_hour, cost_per_core_hour=cost_per_core_hour, extrapolate=extrapolate,
-            report_dir=report_dir, restart=restart, reorder_features=reorder_features)
+            report_dir=report_dir, restart=restart)
         self.stragglers = StragglerDetector(straggler_threshold, straggler_patience)
         self.window = ProfilingWindow(self.config)
         self.recorder = JobRecorder(self.config)
@@ -344,9 +340,11 @@ class ResourceAdvisor(Callback):
 
     def _apply_replan(self, trainer: Trainer, pooling_factors: dict[str, float], step: int) -> None:
         """Every rank: hands a worthwhile re-plan to the strategy, which re-shards in process at its next commit where it
-        can (``lightning-dlrover launch``; a plan that reorders the pooled embeddings only with ``reorder_features``)."""
+        can (``lightning-dlrover launch``); a plan that reorders the pooled embeddings only for a model that reads them by
+        key (``pooled_embeddings_by_key = True``: one reading ``KeyedTensor.values()`` would see permuted features)."""
         apply = getattr(trainer.strategy, "replan_in_process", None)
-        if apply is not None and apply(pooling_factors, keep_feature_order=not self.config.reorder_features):
+        keep = not getattr(trainer.lightning_module, "pooled_embeddings_by_key", False)
+        if apply is not None and apply(pooling_factors, keep_feature_order=keep):
             emit("advice_applied", step=step, stage="profile", knob="sharding_plan", old=None, new=pooling_factors,
                  via=f"{type(trainer.strategy).__name__}.replan_in_process")
 

@@ -81,7 +81,6 @@ class AdvisorConfig:
     extrapolate: bool = False
     report_dir: str | None = None
     restart: RestartMode = "print"
-    reorder_features: bool = False
 
     def __post_init__(self) -> None:
         if self.profile_steps < 0:

@@ -59,6 +59,10 @@ class DLRMModule(pl.LightningModule):
         dense_lr: its learning rate.
     """
 
+    #: TorchRec's DLRM reads the pooled embeddings by feature name (``KeyedTensor.to_dict()``), not by position: a new
+    #: sharding plan cannot permute its features (see ``DLRoverStrategy``'s ``feature_order_changed``).
+    pooled_embeddings_by_key = True
+
     def __init__(
         self,
         num_embeddings_per_feature: list[int],

@@ -103,9 +103,10 @@ KINDS: dict[str, tuple[str, ...]] = {
     # re-plan; sharding: the new plan in words); reshard_failed: half-way (spills written, restart)
     "resharded_in_process": ("world_size", "sharding", "decode_s", "reshard_s", "failed_at", "restored_at"),
     "reshard_failed": ("error",),
-    # rank 0, after a shrink, grow or re-shard in process changed the order of the pooled embeddings' keys (before,
-    # after: {module path: keys}): a model reading KeyedTensor.values() by position sees its features permuted
-    "feature_order_changed": ("before", "after"),
+    # rank 0, when the pooled embeddings' key order differs from the one the state was trained with (before, after:
+    # {collection path: keys}; how: a re-shard in process, a checkpoint or a restart's restore): a model reading
+    # KeyedTensor.values() by position sees its features permuted
+    "feature_order_changed": ("before", "after", "how"),
     # every rank of a re-plan asked to keep that order (the advisor's): the new plan (after) would have moved it, and
     # the tables stay where they were
     "replan_refused": ("before", "after"),

@@ -38,11 +38,11 @@ from lightning_dlrover.log import get_logger, quiet_known_warnings
 from lightning_dlrover.monitor import StateDigest, StepTimer, emit, state_digest
 from lightning_dlrover.monitor import events as job_events
 from lightning_dlrover.monitor.events import DIGEST_EVERY_ENV
-from lightning_dlrover.strategy import auto_parity, in_process, process_exit
+from lightning_dlrover.strategy import auto_parity, in_process, process_exit, shard_model
 from lightning_dlrover.strategy.checkpointing import Checkpointing
 from lightning_dlrover.strategy.elastic_range import check_elastic_range
 from lightning_dlrover.strategy.launcher import validate_trainer_addons
-from lightning_dlrover.strategy.shard_model import shard
+from lightning_dlrover.strategy.shard_model import POOLED_KEYS, shard
 from lightning_dlrover.strategy.sharding import (
     CPU_DEFAULT_SHARDING_TYPES,
     SHARDING_TYPES,
@@ -220,6 +220,7 @@ class DLRoverStrategy(DDPStrategy):
         if (recovery := self.fault.in_process_recovery()) is not None:
             in_process.install(trainer, self, recovery)
         if self._resume is not None:
+            shard_model.say_if_reordered(self, self._resume.get(POOLED_KEYS), self._resume.get("global_step"), "restored")
             glue.resume_from(trainer, self._resume)
         state = lambda: self._trainer_state(trainer)  # noqa: E731
         glue.call_after_every_step(trainer, lambda: self.fault.end_step(trainer.global_step, state))
@@ -230,7 +231,7 @@ class DLRoverStrategy(DDPStrategy):
         """The trainer's checkpoint dict without the model's tensors (those are coded or snapshotted)."""
         self._snapshotting = True
         try:
-            return glue.dump_trainer_state(trainer)
+            return {**glue.dump_trainer_state(trainer), POOLED_KEYS: shard_model.pooled_keys(self)}
         finally:
             self._snapshotting = False
 
@@ -343,7 +344,7 @@ class DLRoverStrategy(DDPStrategy):
     def checkpoint_extra_meta(self) -> dict[str, Any]:
         """What a checkpoint's ``meta.pt`` holds besides Lightning's dict (a collective)."""
         return {"dlrover_rank_states": self.fault.gather_rank_states(),
-                "dlrover_module_class": _class_path(self.lightning_module)}
+                "dlrover_module_class": _class_path(self.lightning_module), POOLED_KEYS: shard_model.pooled_keys(self)}
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -358,6 +359,7 @@ class DLRoverStrategy(DDPStrategy):
         meta = self.checkpointing.load(self, Path(self.broadcast(str(checkpoint_path))),
                                        self.lightning_module.strict_loading, weights_only)
         self.fault.after_checkpoint_load(meta)
+        shard_model.say_if_reordered(self, meta.get(POOLED_KEYS), meta.get("global_step"), f"loaded {checkpoint_path}")
         return meta
 
     def latest_checkpoint(self, at_most: int | None) -> Path | None:

@@ -28,7 +28,6 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_dlrover import lightning_glue as glue
-from lightning_dlrover import torchrec_glue
 from lightning_dlrover.fault import VERIFY_RESIZE_ENV, FaultManager, GrowRequested, Host, ReshardRequested
 from lightning_dlrover.monitor import emit, state_digest
 from lightning_dlrover.strategy import shard_model
@@ -94,7 +93,7 @@ class Resharder:
 
     def reshard(self, rank: int, world_size: int, plan: Any | None = None) -> str:
         strategy, module = self.strategy, self.strategy.lightning_module
-        order = torchrec_glue.pooled_key_order(module)
+        order = shard_model.pooled_keys(strategy)
         kept, old_plan, self.keep_order = self.keep_order, strategy._dmp.plan, None
         kept = kept if world_size == strategy.world_size else None  # (a re-plan's; a shrink or grow moves on)
         renumber(strategy, rank, world_size)
@@ -104,27 +103,17 @@ class Resharder:
         else:  # a grow: the joining ranks build alone (collectives answered locally), and so do these, at once
             with strategy.fault.building_alone():
                 strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False, plan=plan)
-        if (new := torchrec_glue.pooled_key_order(module)) != order and kept is not None:  # back to the old plan
+        if (new := shard_model.pooled_keys(strategy)) != order and kept is not None:  # back to the old plan
             emit("replan_refused", step=strategy.fault.committed_step, before=order, after=new,
                  message="not re-planning in process: the new plan would order the pooled embeddings anew "
-                 f"({_moves(order, new)}), which a model reading them by position (KeyedTensor.values()) would see as "
+                 f"(to {new}), which a model reading them by position (KeyedTensor.values()) would see as "
                  "permuted features; the tables stay where they were" if strategy.is_global_zero else None)
             strategy.constraints = kept
             shard_model.unshard(strategy, module)
             strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False, plan=old_plan)
-            new = order
         strategy.setup_optimizers(self.trainer)
-        if new != order and strategy.is_global_zero:
-            emit("feature_order_changed", step=strategy.fault.committed_step, before=order, after=new,
-                 message="the new sharding plan orders the pooled embeddings anew: a model that reads the sharded "
-                 "EmbeddingBagCollection's output by position (KeyedTensor.values()) sees its features permuted from "
-                 f"here on; read it by key (to_dict(), as TorchRec's DLRM does) and nothing changes. {_moves(order, new)}")
+        shard_model.say_if_reordered(strategy, order, strategy.fault.committed_step, "re-sharded in process")
         return describe_plan(strategy._dmp.plan)
-
-
-def _moves(before: dict[str, list[str]], after: dict[str, list[str]]) -> str:
-    return "; ".join(f"{path or 'model'}: {', '.join(before.get(path, []))} -> {', '.join(keys)}"
-                     for path, keys in after.items() if keys != before.get(path))
 
 
 def request_replan(strategy: DLRoverStrategy, pooling_factors: Mapping[str, float], keep_feature_order: bool) -> bool:

@@ -13,6 +13,7 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 
 from lightning_dlrover import torchrec_glue
+from lightning_dlrover.monitor import emit
 from lightning_dlrover.strategy.sharding import describe_plan, distribute, plan_sharding
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 #: Per strategy, the unsharded twins of its module's embedding collections (``torchrec_glue.unsharded_twins``), read
 #: before the first sharding: a shrink in process puts them back and shards again for the smaller world.
 _twins: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+_orders: weakref.WeakKeyDictionary[Any, tuple[int, dict[str, list[str]]]] = weakref.WeakKeyDictionary()
 
 
 def shard(strategy: DLRoverStrategy, module: pl.LightningModule, initialise: bool = True,
@@ -51,6 +53,42 @@ def plan_for(strategy: DLRoverStrategy, module: pl.LightningModule, world_size: 
         lambda: plan_sharding(module, constraints, strategy.root_device, local_world_size=local, world_size=world_size),
         strategy.global_rank, torchrec_glue.skip_collective_validation_broadcast,
     )
+
+
+#: The key under which a checkpoint or a committed step keeps the pooled embeddings' key order (:func:`pooled_keys`).
+POOLED_KEYS = "dlrover_pooled_keys"
+
+
+def pooled_keys(strategy: DLRoverStrategy) -> dict[str, list[str]]:
+    """``{collection path: keys}``: the order of each sharded embedding-bag collection's pooled output, which follows
+    the sharding plan (a model reading its ``KeyedTensor.values()`` by position depends on it). Read once per sharding
+    (each commit keeps it)."""
+    cached = _orders.get(strategy)
+    if cached is None or cached[0] != id(strategy._dmp):
+        cached = _orders[strategy] = (id(strategy._dmp), torchrec_glue.pooled_key_order(strategy.lightning_module))
+    return cached[1]
+
+
+def by_key(module: pl.LightningModule) -> bool:
+    """Whether ``module`` says it reads its pooled embeddings by key (``pooled_embeddings_by_key = True``), so that no
+    sharding plan can permute its features."""
+    return bool(getattr(module, "pooled_embeddings_by_key", False))
+
+
+def say_if_reordered(strategy: DLRoverStrategy, before: dict[str, list[str]] | None, step: int | None, how: str) -> None:
+    """Records (``feature_order_changed``, rank 0) that the pooled embeddings' key order now differs from ``before``,
+    the order the state was trained with (``how``: what put the tables where they are now), with a warning unless the
+    model says it reads them by key; nothing when ``before`` is unknown."""
+    after = pooled_keys(strategy)
+    if not before or before == after or not strategy.is_global_zero:
+        return
+    moved = "; ".join(f"{path or 'model'}: {', '.join(before.get(path, []))} -> {', '.join(keys)}"
+                      for path, keys in after.items() if keys != before.get(path))
+    emit("feature_order_changed", step=step, before=before, after=after, how=how, message=None if by_key(
+        strategy.lightning_module) else f"{how}: the sharding plan orders the pooled embeddings anew ({moved}); a model "
+         "that reads the sharded EmbeddingBagCollection's output by position (KeyedTensor.values()) sees its features "
+         "permuted from here on: read it by key (to_dict(), as TorchRec's DLRM does) and set pooled_embeddings_by_key "
+         "= True on the LightningModule to say so")
 
 
 def unshard(strategy: DLRoverStrategy, module: pl.LightningModule) -> None:

@@ -36,7 +36,7 @@ def test_a_replan_in_process_moves_the_tables_and_trains_on_exactly(tmp_path):
 def test_the_advisor_applies_its_re_plan_in_process_and_keeps_a_position_reading_model_as_it_was(tmp_path):
     """``ResourceAdvisor(apply=True)`` on the model with multi-hot t0 and t2 (20 ids per sample), both on rank 0: at
     its first check (step 10) it measures rank 0 at 1.9x the mean load and hands the re-plan to the strategy. A model
-    that reads the pooled embeddings by key (``reorder_features=True``) is re-sharded in process; one that reads them
+    that reads the pooled embeddings by key (``pooled_embeddings_by_key = True``) is re-sharded in process; one that reads them
     by position is left as it was (the new plan would permute its features)."""
     for name, by_key in (("by-key", True), ("by-position", False)):
         _, events, output = launch(tmp_path, name, "--spares", "0", steps=16,

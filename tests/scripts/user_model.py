@@ -116,6 +116,7 @@ class UserModel(pl.LightningModule):
         super().__init__()
         self.plain_loader = plain_loader
         self.by_key, self.multi_hot = by_key, multi_hot
+        self.pooled_embeddings_by_key = by_key  # (what a model reading them by key says)
         self.automatic_optimization = not manual
         self.global_batch = global_batch
         self.collection = collection
@@ -238,9 +239,9 @@ def main() -> None:
     callbacks = []
     if args.slow_while_short:
         callbacks.append(SlowWhileShort(args.slow_while_short))
-    if args.advisor:  # the advisor applies what it finds, with this model reading its pooled embeddings by key
+    if args.advisor:  # the advisor applies what it finds
         callbacks.append(ResourceAdvisor(profile_steps=6, probe_steps=3, settle_steps=1, apply=True, history=None,
-                                         reorder_features=args.by_key, report_dir=os.path.join(args.root, "advisor")))
+                                         report_dir=os.path.join(args.root, "advisor")))
     if args.replan_at:
         callbacks.append(ReplanAt(args.replan_at, {"t0": 20.0, "t2": 20.0}))
     if args.ckpt_every:

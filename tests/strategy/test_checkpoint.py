@@ -2,6 +2,7 @@
 
 import pytest
 
+from lightning_dlrover.monitor.events import read_events
 from tests.conftest import digests, train_forked
 
 pytestmark = pytest.mark.slow
@@ -39,11 +40,15 @@ def test_resume_continues_exactly(tmp_path, uninterrupted, backend):
 
 
 def test_dcp_restores_into_a_larger_world_size(tmp_path, uninterrupted):
-    """A dcp checkpoint saved by 2 ranks restores exactly onto 3."""
+    """A dcp checkpoint saved by 2 ranks restores exactly onto 3. The pooled embeddings' key order moved with the plan:
+    the job records it, without a warning, since the DLRM reads them by key (a model reading them by position would
+    see its features permuted)."""
     saved, ckpt = uninterrupted("dcp")
-    loaded = digests(train_forked(tmp_path, "--devices", "3", "--steps", "9", "--resume",
-                                  str(ckpt / "epoch=0-step=8.ckpt")).stdout)
-    assert loaded["8"] == saved["8"]
+    proc = train_forked(tmp_path, "--devices", "3", "--steps", "9", "--resume", str(ckpt / "epoch=0-step=8.ckpt"))
+    assert digests(proc.stdout)["8"] == saved["8"]
+    [moved] = [e for e in read_events([tmp_path / "dlrover_events.jsonl"]) if e.kind == "feature_order_changed"]
+    assert moved.fields["how"].startswith("loaded") and moved.fields["before"] != moved.fields["after"]
+    assert "orders the pooled embeddings anew" not in proc.stdout
 
 
 @pytest.mark.parametrize(("backend", "save_ws", "load_ws"), [("dcp", 3, 2), ("torchsnapshot", 3, 2)])
