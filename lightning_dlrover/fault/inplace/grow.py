@@ -39,7 +39,6 @@ class Regrow:
 
     spare: Worker | None = None  # started for the grow, not yet handed a rank
     joining: Worker | None = None  # handed the new rank; the job has not restored at the larger size yet
-    generation: int = 0  # the grow plan's
     deaths: int = 0
     abandoned: bool = False
 
@@ -69,7 +68,7 @@ class Regrow:
         worker, self.spare = self.spare, None
         rank = sup.live_world
         plan = membership.publish_grow_plan(sup.store, sup.restarts, sup.live_world, {rank: worker.spare})
-        worker.rank, self.joining, self.generation = rank, worker, plan.generation
+        worker.rank, self.joining = rank, worker
         membership.publish_worker(sup.store, sup.restarts, rank, socket.gethostname(), worker.process.pid)
         sup.live_world = plan.world_size
         sup.publish_ranks()
