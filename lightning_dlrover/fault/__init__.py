@@ -5,7 +5,7 @@
 - :mod:`.coding`: the erasure-coded embedding state (chunks, undo log, placement, delta exchange, decode);
 - :mod:`.restart`: recovery across a restart of every worker (spills, renumbering, re-shard, fallback);
 - :mod:`.inplace`: in-process recovery under ``lightning-dlrover launch`` (membership, reconfigurable group,
-  survivor/replacement protocol, the launcher's supervisor);
+  survivor/replacement protocol, the launcher's supervisor, shrink and grow);
 - :mod:`.points` / :mod:`.injector`: the drill vocabulary and the fault injector.
 
 Exports are imported when first used (the launchers use :mod:`.inplace` without Lightning or TorchRec)."""
