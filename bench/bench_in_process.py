@@ -14,6 +14,10 @@ Same job as ``bench/bench_recovery.py`` (the chaos config with 26 tables of ``--
   until every rank restored the committed step at the larger size, ``total`` from the step boundary to the first
   commit after it (the pause; nothing was lost). A grow by the restart path is ``dcp``'s total (stop, restart at the
   larger size, load the checkpoint);
+- ``in-process replan``: no fault; after step ``--at-step`` every rank asks for the tables to be planned anew with
+  every fourth table 20x hotter (``bench/replan_at.py``, what ``ResourceAdvisor(apply=True)`` does with measured
+  pooling factors), and at the next commit they are re-sharded in process at the same world size. Its row: ``restore``
+  from the commit boundary to the state restored in the new layout, ``total`` to the first commit after it;
 - ``dcp``, ``parity restart``: ``bench_recovery.measure`` in the same run (2 ``torchrun`` agents x 2 ranks, node
   0 killed, every worker restarted; a checkpoint at the kill step for ``dcp``, spills for ``parity``).
 
@@ -39,6 +43,7 @@ the start and at the end: other jobs on the machine move every number.
     PYTHONPATH=. python bench/bench_in_process.py --rows 20000 100000 300000 --methods "in-process hot" dcp
     PYTHONPATH=. python bench/bench_in_process.py --methods "in-process shrink" "in-process hot" --base-rows 0
     PYTHONPATH=. python bench/bench_in_process.py --methods "in-process grow" dcp --rows 20000 100000 --base-rows 0
+    PYTHONPATH=. python bench/bench_in_process.py --methods "in-process replan" --rows 20000 100000 --base-rows 0
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -100,6 +107,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def replanned(rows: int, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    """The re-plan drill (see the module docs); timings from its events."""
+    config_path = bench_recovery.job_config(rows, args.dim, "parity", args.at_step, args.at_step + args.after_steps,
+                                            workdir)
+    config = yaml.safe_load(config_path.read_text())
+    hot = {f"t_cat_{i}": 20.0 for i in range(0, 26, 4)}
+    config["trainer"]["callbacks"].append({"class_path": "replan_at.ReplanAt",
+                                           "init_args": {"step": args.at_step, "pooling_factors": hot}})
+    config_path.write_text(yaml.safe_dump(config))
+    run_dir = workdir / f"replan-{rows}"
+    run_dir.mkdir()
+    events_path = run_dir / "events.jsonl"
+    env = {**os.environ, "LIGHTNING_DLROVER_EVENTS": str(events_path),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ["PYTHONPATH"]])}
+    command = [sys.executable, "-m", "lightning_dlrover", "launch", "--nproc-per-node", str(args.ranks), "--spares", "0",
+               "--master", f"127.0.0.1:{free_port()}", "--", "-m", "lightning_dlrover", "fit", "--config",
+               str(config_path), f"--trainer.default_root_dir={run_dir}"]
+    with open(run_dir / "launch.log", "w") as log:
+        code = subprocess.run(command, env=env, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
+    events = read_events([events_path])
+    done = [e for e in events if e.kind == "resharded_in_process"]
+    if code != 0 or not done:
+        sys.exit(f"the re-plan drill ({rows} rows) did not re-shard in process; see {run_dir}")
+    boundary = min(e.fields["failed_at"] for e in done)
+    restored = max(e.fields["restored_at"] for e in done)
+    resumed = next(e for e in events if e.kind == "resumed" and e.time >= restored).time
+    print(f"{rows} rows, re-planned: {done[0].fields['sharding']}", flush=True)
+    return {"lost_bytes": float("nan"), "detect": 0.0, "replacement": 0.0,
+            "decode": max(e.fields["decode_s"] + e.fields["reshard_s"] for e in done), "restore": restored - boundary,
+            "first_step": resumed - restored, "total": resumed - boundary}
 
 
 def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int, shrink: bool = False,
@@ -212,7 +251,9 @@ def main() -> None:
         for rows in args.rows:
             results = {}
             for method in args.methods:
-                if method.startswith("in-process"):
+                if method == "in-process replan":
+                    results[method] = replanned(rows, args, Path(tmp))
+                elif method.startswith("in-process"):
                     results[method] = in_process(rows, args, Path(tmp), spares=1 if method.endswith("hot") else 0,
                                                  shrink=method.endswith(("shrink", "grow")),
                                                  grow=method.endswith("grow"))
