@@ -14,7 +14,7 @@ survivors do the same work without leaving their processes:
 3. each survivor keeps its committed state as the restart path's spills, in memory (``FaultManager.leave_behind``),
    and the world group is reconfigured to the new generation with the new rank and world size
    (:meth:`~lightning_dlrover.fault.inplace.process_group.ReconfigurableGroup.reconfigure`);
-4. the strategy's ``shrinker`` renumbers the process (environment, Lightning's ranks, the data loader) and shards the
+4. the strategy's ``resharder`` renumbers the process (environment, Lightning's ranks, the data loader) and shards the
    model anew for the smaller world, with fresh optimizers (``strategy/in_process.py``, ``strategy/shard_model.py``);
    DDP's average is set to the live world size;
 5. ``FaultManager.restore_in_place`` decodes the lost ranks and re-shards every rank's committed state from the
