@@ -310,6 +310,21 @@ def _engine(url: str) -> Engine:
         raise ValueError(f"job history {url!r} cannot be opened: {err}. Check the path and permissions.") from err
 
 
+def _set_wal(cursor: Any, wait_s: float = 60.0) -> None:
+    """Puts the database in WAL mode (kept in the file: the first opener sets it, the others find it). Switching the
+    mode takes an exclusive lock and SQLite answers ``database is locked`` at once, without its busy timeout, while
+    another process holds the file: ranks opening one new history together failed on it (CI). So it waits here."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")  # (an in-memory database answers "memory" and stays so)
+            return
+        except Exception as err:  # noqa: BLE001 - sqlite3.OperationalError; anything else is raised below
+            if "locked" not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _sqlite_locking(engine: Engine) -> None:
     """WAL, a busy timeout and ``BEGIN IMMEDIATE`` (SQLAlchemy's recipe for pysqlite's transaction handling)."""
 
@@ -318,7 +333,7 @@ def _sqlite_locking(engine: Engine) -> None:
         dbapi_connection.isolation_level = None  # pysqlite must not emit its own BEGIN
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA busy_timeout = 60000")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        _set_wal(cursor)
         cursor.execute("PRAGMA synchronous = NORMAL")  # WAL stays consistent; a power cut may drop the last commits
         cursor.close()
 
