@@ -315,9 +315,7 @@ class FaultManager(CommitProtocol, LauncherFacts):
         else:
             placement = ParityPlacement(host.world_size, self.parity.k, self.parity.r, host.num_processes)
             self.coded = CodedEmbeddings(CodedState(host.model, self.parity.k), placement, encode=False)
-        longest = torch.tensor([self._rank_state_len], dtype=torch.int64)
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=control_plane.group())
-        self._rank_state_len = int(longest)
+        self._agree_rank_state_len()
         committed: list[Any] = [None, None, None]
         if host.global_rank == source:
             committed = [self.committed_step, self._committed_meta(host), self._rank_states]
@@ -345,6 +343,12 @@ class FaultManager(CommitProtocol, LauncherFacts):
         self.recovered = self._announce_resume = True
         return report
 
+    def _agree_rank_state_len(self) -> None:
+        """Every rank takes the longest rank state's length (the vote gathers equal sizes; collective)."""
+        longest = torch.tensor([self._rank_state_len], dtype=torch.int64)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=control_plane.group())
+        self._rank_state_len = int(longest)
+
     def leave_behind(self) -> list[Spill]:
         """This rank's committed state as spills in memory (the step in flight rolled back; first its tentative state
         when its vote broke), for :meth:`restore_in_place`: the restart path's spills, never written."""
@@ -368,9 +372,7 @@ class FaultManager(CommitProtocol, LauncherFacts):
         self._reshard_after = None  # (a joining rank did not ask for it)
         if self.coded is not None:
             self.coded.state.close()
-        longest = torch.tensor([self._rank_state_len], dtype=torch.int64)  # a joining rank's own may be shorter
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=control_plane.group())
-        self._rank_state_len = int(longest)
+        self._agree_rank_state_len()  # a joining rank's own may be shorter
         state = CodedState(host.model, self.parity.k)
         report = restore_spills(state, spills)
         if report is None or report.meta is None:

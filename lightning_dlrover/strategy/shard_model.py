@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 #: Per strategy, the unsharded twins of its module's embedding collections (``torchrec_glue.unsharded_twins``), read
 #: before the first sharding: a shrink in process puts them back and shards again for the smaller world.
 _twins: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-_orders: weakref.WeakKeyDictionary[Any, tuple[int, dict[str, list[str]]]] = weakref.WeakKeyDictionary()
+#: Per strategy, the pooled embeddings' key order of the model :func:`shard` built last (see :func:`pooled_keys`).
+_orders: weakref.WeakKeyDictionary[Any, dict[str, list[str]]] = weakref.WeakKeyDictionary()
 
 
 def shard(strategy: DLRoverStrategy, module: pl.LightningModule, initialise: bool = True,
@@ -33,6 +34,7 @@ def shard(strategy: DLRoverStrategy, module: pl.LightningModule, initialise: boo
     if plan is None:
         plan = plan_for(strategy, module, dist.get_world_size())
     dmp = distribute(module, plan, strategy.root_device, initialise=initialise and not strategy.fault.joining())
+    _orders[strategy] = torchrec_glue.pooled_key_order(module)
     rank_zero_info(f"DLRoverStrategy: {describe_plan(plan)}")
     return dmp
 
@@ -61,12 +63,9 @@ POOLED_KEYS = "dlrover_pooled_keys"
 
 def pooled_keys(strategy: DLRoverStrategy) -> dict[str, list[str]]:
     """``{collection path: keys}``: the order of each sharded embedding-bag collection's pooled output, which follows
-    the sharding plan (a model reading its ``KeyedTensor.values()`` by position depends on it). Read once per sharding
-    (each commit keeps it)."""
-    cached = _orders.get(strategy)
-    if cached is None or cached[0] != id(strategy._dmp):
-        cached = _orders[strategy] = (id(strategy._dmp), torchrec_glue.pooled_key_order(strategy.lightning_module))
-    return cached[1]
+    the sharding plan (a model reading its ``KeyedTensor.values()`` by position depends on it). Read once per sharding,
+    by :func:`shard` (each commit keeps it)."""
+    return _orders.get(strategy, {})
 
 
 def by_key(module: pl.LightningModule) -> bool:
