@@ -64,6 +64,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from lightning_dlrover.fault.inplace.process_group import ReconfigurableGroup, await_members
+from tests.conftest import exit_rank
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False)
 await_members(store, 0, 0, rank, 2)  # (what the launcher's ranks do before generation 0, in ``register``)
@@ -74,6 +75,7 @@ group.reconfigure(1)
 value = torch.tensor([float(rank + 1)])
 group.allreduce([value]).wait()
 print("sum", value.item(), flush=True)
+exit_rank()  # (as the strategy's ranks end: a finished gloo process sometimes aborts in interpreter shutdown)
 """
 
 
