@@ -143,7 +143,7 @@ def _grow_lines(events: list[Event]) -> list[str]:
     grown = [e for e in events if e.kind == "grown_in_process"]
     if not grown:
         gave_up = next((e for e in events if e.kind == "grow_abandoned"), None)
-        return [f"grown in process: no ({gave_up['why']})"] if gave_up is not None else []
+        return [f"grown in process: no ({gave_up['reason']})"] if gave_up is not None else []
     first, running = grown[0], [e for e in grown if e["survivor"]]
     lines = [f"grown in process: from {first['old_world_size']} to {first['world_size']} ranks at step {first.step} "
              f"(ranks {first['joined_ranks']} joined; the survivors kept their processes)"]

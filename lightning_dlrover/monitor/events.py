@@ -90,10 +90,10 @@ KINDS: dict[str, tuple[str, ...]] = {
                           "lost_at", "failed_at", "connected_at", "restored_at"),
     # launch --regrow (fault/inplace/grow.py), the launcher: started a process (spare index, spare_pid) to join a job
     # running at world_size of target_world_size ranks; published the plan in which joined_ranks join (the job grows
-    # to world_size; pids: {joined rank: pid}); gave the grow up (why)
+    # to world_size; pids: {joined rank: pid}); gave the grow up (why: gave_up or would_not_fit; reason: for people)
     "grow_started": ("spare", "spare_pid", "world_size", "target_world_size"),
     "grow_planned": ("generation", "joined_ranks", "world_size", "pids"),
-    "grow_abandoned": ("why",),
+    "grow_abandoned": ("why", "reason"),
     # every rank of a grow in process (survivor: it was running; else it joined), at the committed step it resumes at;
     # times as for recovered_in_process; grow_failed: a running rank's grow failed half-way (spills written, restart)
     "grown_in_process": ("survivor", "old_world_size", "world_size", "joined_ranks", "decode_s", "reshard_s",

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -18,8 +19,12 @@ import torch.distributed as dist
 
 from lightning_dlrover.cli.launch import parse
 from lightning_dlrover.fault.inplace import membership
-from lightning_dlrover.fault.inplace.grow import Regrow
-from lightning_dlrover.fault.inplace.workers import Worker
+from lightning_dlrover.fault.coding import reserve
+from lightning_dlrover.fault.inplace.grow import GAVE_UP, Regrow, memory_refusal
+from lightning_dlrover.fault.inplace.shrink import WOULD_NOT_FIT
+from lightning_dlrover.fault.inplace.store import serve_store
+from lightning_dlrover.fault.inplace.supervisor import Supervisor
+from lightning_dlrover.fault.inplace.workers import SupervisorConfig, Worker
 from lightning_dlrover.monitor.events import EVENTS_ENV, read_events
 from tests.fault.test_in_process import launch
 from tests.fault.test_node_loss import drill
@@ -104,14 +109,76 @@ def test_a_job_that_finishes_before_the_new_rank_joined_ends_and_stops_it(tmp_pa
     regrow = Regrow(joining=pending)
     assert regrow.finished_without([running, pending])
     assert waiting.poll() is not None and pending.rank is None and regrow.joining is None
-    assert [e.fields["why"] for e in read_events([tmp_path / "events.jsonl"]) if e.kind == "grow_abandoned"] == [
-        "the job finished before the new rank joined it"]
+    assert [(e.fields["why"], e.fields["reason"]) for e in read_events([tmp_path / "events.jsonl"])
+            if e.kind == "grow_abandoned"] == [(GAVE_UP, "the job finished before the new rank joined it")]
     still = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         assert not Regrow(joining=pending).finished_without([Worker(still, 0), pending])  # a rank still trains
     finally:
         still.kill()
         still.wait()
+
+
+SPARE = """
+import os
+from lightning_dlrover.fault.inplace import membership
+store = membership.connect()
+membership.wait_for_assignment(store, 0, int(os.environ[membership.SPARE_ENV]))  # (what a set-up spare does)
+"""
+
+
+def test_the_memory_a_grow_needs():
+    mib = 2**20
+    # a job at 2 ranks of 30 MiB each: the 3 ranks of the larger world build 60 MiB of new shares
+    assert memory_refusal(30 * mib, 2, 1000 * mib, 940 * mib, 500 * mib) is None
+    message = memory_refusal(30 * mib, 2, 1000 * mib, 941 * mib, 500 * mib)
+    assert "allocate 60 MiB" in message and "59 MiB left" in message and "--memory-limit-gb" in message, message
+    assert memory_refusal(30 * mib, 2, 1000 * mib, 0, 59 * mib) is not None  # what the machine can still hand out
+    assert memory_refusal(0, 2, 1000 * mib, 999 * mib, 0) is None  # nothing published: nothing known
+
+
+@pytest.mark.parametrize("limit_gb", [0.1, None])
+def test_the_launcher_grows_only_what_this_machines_memory_can_take(tmp_path, monkeypatch, limit_gb):
+    """The launcher's side of a grow after a shrink from 3 to 2 ranks, with a real store and a real process started
+    to join (it waits for its rank as a set-up spare does). Under a job memory limit of 0.1 GB, below what this
+    machine's processes already hold, the grow is not published: the process is stopped and the grow given up once
+    (``grow_abandoned``, ``would_not_fit``, with the numbers). With no limit, the plan is published for rank 2."""
+    monkeypatch.setenv(EVENTS_ENV, str(tmp_path / "events.jsonl"))
+    store, sock = serve_store("127.0.0.1:0")
+    master = f"127.0.0.1:{sock.getsockname()[1]}"
+    args = SupervisorConfig(program=["-c", SPARE], nproc_per_node=3, spares=0, master=master, zygote=False,
+                            cold_start=False, regrow=True,
+                            memory_limit_bytes=int(limit_gb * 2**30) if limit_gb else None)
+    sup = Supervisor(args, store, "grow-memory", live_world=2)
+    reserve.publish(store, 0, 30 * 2**20)  # (what the ranks publish: the largest rank's coded state)
+    regrow = Regrow()
+    try:
+        assert regrow.tick(sup, None) is None and regrow.spare is not None  # started the process to join
+        spare = regrow.spare
+        for _ in range(600):  # until it waits for its rank (importing torch takes seconds on a loaded machine)
+            generation = regrow.tick(sup, None)
+            if regrow.spare is None:
+                break
+            time.sleep(0.1)
+        events = read_events([tmp_path / "events.jsonl"])
+        if limit_gb:
+            assert generation is None and spare.process.poll() is not None and regrow.abandoned
+            (abandoned,) = [e for e in events if e.kind == "grow_abandoned"]
+            assert abandoned.fields["why"] == WOULD_NOT_FIT and "allocate 60 MiB" in abandoned.fields["reason"]
+            assert "grow_planned" not in [e.kind for e in events]
+            assert regrow.tick(sup, None) is None and regrow.spare is None  # given up: no new process
+        else:
+            assert generation is not None and regrow.joining is spare and spare.rank == 2 and sup.live_world == 3
+            planned = next(e for e in events if e.kind == "grow_planned")
+            assert (planned.fields["joined_ranks"], planned.fields["world_size"]) == ([2], 3)
+            assignment = membership.wait_for_assignment(store, 0, spare.spare, wait_s=5)
+            assert (assignment.rank, assignment.world_size) == (2, 3)
+            assert spare.process.wait(timeout=60) == 0  # it was handed its rank
+    finally:
+        for worker in sup.workers:
+            worker.process.kill()
+            worker.process.wait()
+        sock.close()
 
 
 @pytest.mark.slow

@@ -13,7 +13,9 @@ plan, until the job is back at its launch size (the world group cannot grow beyo
 The edges: a loss while the spare waits is covered by it as by any hot spare (the job is then no longer short); a
 spare that dies before it joins is started again once (then the launcher gives up, with ``grow_abandoned``); a loss
 while the job grows is a loss during a recovery (every worker restarts from its spills); a job that finishes before
-the grow took place ends as it is (the waiting rank is stopped, ``grow_abandoned``).
+the grow took place ends as it is (the waiting rank is stopped, ``grow_abandoned``); a grow this machine's memory
+cannot take is not published (:func:`memory_refusal`: the waiting process is stopped, ``grow_abandoned`` with ``why``
+``would_not_fit``), and the job trains on at its size.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lightning_dlrover.fault.coding import reserve
 from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace.shrink import WOULD_NOT_FIT, job_memory, memory_headroom
 from lightning_dlrover.fault.inplace.spare import SETUP_ENV
 from lightning_dlrover.fault.inplace.workers import Worker
 from lightning_dlrover.monitor.events import emit
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
     from lightning_dlrover.fault.inplace.supervisor import Supervisor
 
 MAX_SPARE_DEATHS = 2  # spares started for a grow that died before joining: then the launcher stops trying
+GAVE_UP = "gave_up"  # ``why`` of a ``grow_abandoned`` but for memory: spares that died, or a job that finished first
 
 
 @dataclass
@@ -66,6 +71,13 @@ class Regrow:
         if recovering is not None or not membership.is_waiting(sup.store, sup.restarts, self.spare.spare):
             return None
         worker, self.spare = self.spare, None
+        refused = memory_refusal(reserve.published(sup.store, sup.restarts), sup.live_world,
+                                 sup.args.memory_limit_bytes, *job_memory())
+        if refused is not None:
+            worker.process.kill()  # (its memory back to the job; the supervisor drops a dead spare from its pool)
+            worker.process.wait()
+            self.abandon(refused, why=WOULD_NOT_FIT)
+            return None
         rank = sup.live_world
         plan = membership.publish_grow_plan(sup.store, sup.restarts, sup.live_world, {rank: worker.spare})
         worker.rank, self.joining = rank, worker
@@ -77,11 +89,12 @@ class Regrow:
              f"next commit (the job grows to {plan.world_size} ranks)")
         return plan.generation
 
-    def abandon(self, why: str) -> None:
-        """Gives the grow up (said once); the job trains on at its size."""
+    def abandon(self, message: str, why: str = GAVE_UP) -> None:
+        """Gives the grow up (said once; ``why``: :data:`GAVE_UP` or ``would_not_fit``); the job trains on at its
+        size."""
         if not self.abandoned:
             self.abandoned = True
-            emit("grow_abandoned", why=why, message=f"not growing the job back: {why}")
+            emit("grow_abandoned", why=why, reason=message, message=f"not growing the job back: {message}")
 
     def finished_without(self, ranks: list[Worker]) -> bool:
         """Whether every one of ``ranks`` finished but the rank handed to a joining process, which the others never took
@@ -94,3 +107,22 @@ class Regrow:
         pending.rank, self.joining = None, None  # (not a failed rank)
         self.abandon("the job finished before the new rank joined it")
         return True
+
+
+def memory_refusal(state_bytes: int, world_size: int, limit_bytes: int | None, used_bytes: int,
+                   available_bytes: int) -> str | None:
+    """Why this machine's memory cannot take growing a ``world_size``-rank job by one rank, or ``None``.
+
+    The running ranks and the new one build their shares of the larger world (the whole state, ``state_bytes x
+    world_size``, ``state_bytes`` being the largest rank's coded state and parity share now) while each running rank
+    keeps its committed state until the restore has filled the new shares. ``used_bytes`` includes the new process,
+    already set up (arguments as :func:`~.shrink.memory_refusal`'s)."""
+    limit_bytes, headroom = memory_headroom(limit_bytes, used_bytes, available_bytes)
+    need = state_bytes * world_size
+    if not state_bytes or need <= headroom:
+        return None
+    mib = 2**20
+    return (f"the {world_size + 1} ranks of the larger world would allocate {need / mib:.0f} MiB for their shares "
+            f"(each running rank keeps its own state until the restore) and this machine has {max(headroom, 0) / mib:.0f}"
+            f" MiB left under the job's memory limit of {limit_bytes / mib:.0f} MiB ({used_bytes / mib:.0f} MiB in use, "
+            "the process set up to join included): give the job more memory (launch --memory-limit-gb)")

@@ -97,6 +97,13 @@ def job_memory() -> tuple[int, int]:
     return used, psutil.virtual_memory().available
 
 
+def memory_headroom(limit_bytes: int | None, used_bytes: int, available_bytes: int) -> tuple[int, int]:
+    """``(limit, headroom)``: the job's memory limit on this machine (``None``: the machine's memory) and the bytes it
+    may still allocate under it and under what the machine can hand out."""
+    limit_bytes = limit_bytes or psutil.virtual_memory().total
+    return limit_bytes, min(limit_bytes - used_bytes, available_bytes)
+
+
 def memory_refusal(state_bytes: int, world_size: int, lost: list[int], limit_bytes: int | None, used_bytes: int,
                    available_bytes: int) -> tuple[str, str] | None:
     """Why this machine's memory cannot take the shrink (the launcher's check, so that every survivor gets the same
@@ -115,9 +122,8 @@ def memory_refusal(state_bytes: int, world_size: int, lost: list[int], limit_byt
             can still hand out.
     """
     survivors = len(survivor_ranks(world_size, lost))
-    limit_bytes = limit_bytes or psutil.virtual_memory().total
+    limit_bytes, headroom = memory_headroom(limit_bytes, used_bytes, available_bytes)
     need = state_bytes * world_size
-    headroom = min(limit_bytes - used_bytes, available_bytes)
     if not state_bytes or need <= headroom:
         return None
     mib = 2**20
