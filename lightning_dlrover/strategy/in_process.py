@@ -9,7 +9,8 @@ A shrink plan (no spare, none wanted: see :mod:`lightning_dlrover.fault.inplace.
 world with this rank's new number, the environment, Lightning's ranks and the data loader follow, the model's tables
 are sharded anew for the smaller world (TorchRec's ``DistributedModelParallel.reshard`` moves shards within a fixed
 world only: see :mod:`~lightning_dlrover.fault.inplace.shrink`) and filled by the restart path's decode and re-shard,
-the optimizers are set up again, and the fit loop resumes at the committed step with the same global batch.
+the optimizers are set up again, and the fit loop resumes at the committed step with the same global batch (or the one
+an ``ElasticBatchScaler`` picks for the new world size: the fit loop's run calls ``on_train_start`` again).
 
 A grow (``launch --regrow``) runs the same way at a step boundary every rank agreed on (:class:`GrowRequested`, raised
 after a commit whose vote carried the launcher's request): the tables are planned for the larger world first (the

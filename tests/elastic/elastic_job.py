@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 import os
+import time
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -44,6 +45,18 @@ class SampleLog(pl.Callback):
                                            "global_batch": scaler.state_dict()["global_batch"],
                                            "lrs": sorted(set(round(r, 8) for r in rates)),
                                            "history": scaler.history}), flush=True)
+
+
+class SlowWhileShort(pl.Callback):
+    """Sleeps ``seconds`` after each step while the job runs on fewer than ``world_size`` ranks: a shrunk job keeps
+    training long enough for a new process to set up and join it, however loaded the machine."""
+
+    def __init__(self, seconds: float, world_size: int) -> None:
+        self.seconds, self.world_size = seconds, world_size
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.world_size < self.world_size:
+            time.sleep(self.seconds)
 
 
 def main() -> None:

@@ -51,19 +51,19 @@ def test_grow_keep_per_rank_rescales_batch_and_lr_and_loses_no_sample(tmp_path):
     assert max(seen.values()) == 1  # no sample repeated across the batch change
 
 
-def _chaos_config(tmp_path, samples) -> tuple[str, dict]:
+def _chaos_config(tmp_path, samples, max_steps: int = 6, extra: list | None = None) -> tuple[str, dict]:
     """The packaged chaos job (4 ranks, batch 480, parity k=1 r=1) with the scaler, per-step digests and a sample log."""
     import yaml
 
     from lightning_dlrover.cli.chaos import DEFAULT_CONFIG
 
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    config["trainer"]["max_steps"] = 6
+    config["trainer"]["max_steps"] = max_steps
     config["trainer"]["callbacks"] += [
         {"class_path": "lightning_dlrover.StateDigest", "init_args": {"at_start": True, "every_n_steps": 1}},
         {"class_path": "lightning_dlrover.ElasticBatchScaler",
          "init_args": {"min_batch": 120, "max_batch": 960, "policy": "keep_per_rank", "lr_rule": "sqrt"}},
-        {"class_path": "tests.elastic.elastic_job.SampleLog", "init_args": {"path": str(samples)}},
+        {"class_path": "tests.elastic.elastic_job.SampleLog", "init_args": {"path": str(samples)}}, *(extra or []),
     ]
     path = tmp_path / "scaled_chaos.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -127,6 +127,64 @@ def test_node_loss_with_the_scaler_shrinks_the_batch_exactly(tmp_path):
                              data["train_batches"], seed=data["seed"], alpha=1.5, label_seed=data["seed"])
     expected = sample_hashes(make_batch(*source.rows(0, len(trained))).dense_features)
     assert sorted(trained) == sorted(expected)  # samples [0, 4*480 + 2*240) exactly once each
+
+
+def _kept_in_process(samples, ranks: int) -> list[tuple[int, int, list[str]]]:
+    """``(step, world size, sample hashes)`` of every step a job resized in process kept: each rank's last record of a
+    step (a step tried again after a recovery is logged again, by the rank's new number), from the ranks of the world
+    that trained it (a lost or renumbered rank's older record of it is left out)."""
+    last: dict[tuple[int, int], dict] = {}
+    for rank in range(ranks):
+        path = samples.parent / f"{samples.name}.rank{rank}"
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            last[(record["step"], rank)] = record
+    kept = []
+    for step in sorted({s for s, _ in last}):
+        world = last[(step, 0)]["world_size"]
+        records = [last[(step, r)] for r in range(world)]
+        assert all(r["world_size"] == world for r in records), (step, records)
+        kept.append((step, world, [h for r in records for h in r["samples"]]))
+    return kept
+
+
+@pytest.mark.slow
+def test_a_shrink_and_a_grow_in_process_follow_the_scalers_rule_exactly(tmp_path):
+    """``chaos --in-process --shrink --regrow`` on the packaged job with the scaler (keep_per_rank, sqrt): rank 0 of 3
+    is killed before step 4, the survivors shrink to 2 ranks in their processes and a new process joins later. The
+    scaler's rule applies at each resize as at a restart (the fit loop runs again from the committed state, its
+    state included): 480 -> 320 samples at the shrink, 320 -> 480 at the grow, the learning rates by sqrt, and the
+    data stream goes on at the next sample, none lost or repeated."""
+    from lightning_dlrover.data.sources import SyntheticCriteo, make_batch
+    from lightning_dlrover.monitor.events import read_events
+    from tests.elastic.elastic_job import sample_hashes
+
+    samples, workdir = tmp_path / "samples", tmp_path / "chaos"
+    slow = {"class_path": "tests.elastic.elastic_job.SlowWhileShort", "init_args": {"seconds": 0.5, "world_size": 3}}
+    config_path, config = _chaos_config(tmp_path, samples, max_steps=80, extra=[slow])
+    proc = run(["-m", "lightning_dlrover", "chaos", "--in-process", "--shrink", "--regrow", "--config", config_path,
+                "--workdir", workdir, "--nodes", "1", "--nproc-per-node", "3", "--kill-rank", "0", "--at-step", "4",
+                "--no-reference", "--timeout", "300"], REPO, timeout=400)
+    summary = proc.stdout.split("\nchaos summary\n")[-1]
+    assert "shrunk in process from 3 to 2 ranks" in summary and "grown in process: from 2 to 3" in summary, summary
+    assert "steps lost: 0" in summary and "job finished: yes" in summary, summary
+    events = read_events([workdir / "faulted" / "events.jsonl"])
+    grown = next(e for e in events if e.kind == "grown_in_process")
+    rescaled = [e for e in events if e.kind == "batch_rescaled"]
+    assert [(e.step, e["reason"], e["old_global_batch"], e["global_batch"], e["world_size"]) for e in rescaled] == [
+        (4, "world_size_changed", 480, 320, 2), (grown.step, "world_size_changed", 320, 480, 3)]
+    assert [e["lr_factor"] for e in rescaled] == pytest.approx([math.sqrt(2 / 3), math.sqrt(3 / 2)])
+
+    kept = _kept_in_process(samples, ranks=3)
+    assert [(step, world, len(h)) for step, world, h in kept] == (
+        [(s, 3, 480) for s in range(4)] + [(s, 2, 320) for s in range(4, grown.step)]
+        + [(s, 3, 480) for s in range(grown.step, 80)])
+    trained = [h for _, _, hashes in kept for h in hashes]
+    data = config["data"]
+    source = SyntheticCriteo(config["model"]["num_embeddings_per_feature"], data["global_batch_size"] *
+                             data["train_batches"], seed=data["seed"], alpha=1.5, label_seed=data["seed"])
+    expected = sample_hashes(make_batch(*source.rows(0, len(trained))).dense_features)
+    assert sorted(trained) == sorted(expected)  # the first samples of the stream, exactly once each
 
 
 class _AdvisorAsks(pl.Callback):

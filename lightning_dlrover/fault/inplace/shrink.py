@@ -19,7 +19,8 @@ survivors do the same work without leaving their processes:
    DDP's average is set to the live world size;
 5. ``FaultManager.restore_in_place`` decodes the lost ranks and re-shards every rank's committed state from the
    spills (the restart path's :func:`~lightning_dlrover.fault.restart.reshard.restore`), encodes parity for the new
-   group, and the fit loop resumes at the committed step with the same global batch (``shrunk_in_process``).
+   group, and the fit loop resumes at the committed step (``shrunk_in_process``) with the same global batch, or the
+   one ``ElasticBatchScaler``'s rule gives (its ``on_train_start`` sees the committed world size in its state).
 
 A shrink that fails half-way writes the spills it kept (the state before it) and raises the original error
 (``shrink_refused`` with ``why`` ``failed``): the launcher restarts every worker and they restore from the spills.
@@ -28,8 +29,7 @@ Before publishing a shrink plan the launcher checks that this machine's memory c
 (:func:`memory_refusal`); when it cannot, the plan it publishes says so (``refused``), it emits ``shrink_refused``
 (``why`` ``would_not_fit``) and the survivors leave at once, so the restart path takes over without waiting.
 
-Not built: a shrink across several machines (the launcher shrinks only a one-machine job), and
-``ElasticBatchScaler``'s batch rule.
+Not built: a shrink across several machines (the launcher shrinks only a one-machine job).
 
 Why not TorchRec's ``DistributedModelParallel.reshard`` (``torchrec/distributed/sharding/dynamic_sharding.py``, 1.8):
 it moves shards between the ranks of a fixed world. Its communication (``prepare_comm_ops``) is sized by the
