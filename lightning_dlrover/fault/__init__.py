@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from lightning_dlrover.fault.manager import FaultManager
     from lightning_dlrover.fault.points import FAULT_ENV, VERIFY_RESIZE_ENV
     from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot
-    from lightning_dlrover.fault.report import GrowRequested, RecoveryReport, ReshardRequested, Unrecoverable
+    from lightning_dlrover.fault.report import RecoveryReport, ReshardRequested, ResizeRequested, Unrecoverable
     from lightning_dlrover.worker_env import elastic_trainer_args
 
 __getattr__, __dir__ = exports(__name__, {
@@ -31,7 +31,7 @@ __getattr__, __dir__ = exports(__name__, {
     "CodedState": "lightning_dlrover.fault.coding.coded_state",
     "FAULT_ENV": "lightning_dlrover.fault.points",
     "VERIFY_RESIZE_ENV": "lightning_dlrover.fault.points",
-    "GrowRequested": "lightning_dlrover.fault.report",
+    "ResizeRequested": "lightning_dlrover.fault.report",
     "ReshardRequested": "lightning_dlrover.fault.report",
     "FaultInjector": "lightning_dlrover.fault.injector",
     "Host": "lightning_dlrover.fault.host",
@@ -49,7 +49,7 @@ __all__ = [
     "CodedState",
     "FaultInjector",
     "FaultManager",
-    "GrowRequested",
+    "ResizeRequested",
     "Host",
     "ParityConfig",
     "ParityPlacement",

@@ -28,7 +28,7 @@ from lightning_dlrover.fault.coding.coded_embeddings import CodedEmbeddings
 from lightning_dlrover.fault.coding.placement import ParityConfig
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.replicated_state import ReplicatedSnapshot
-from lightning_dlrover.fault.report import GrowRequested, ReshardRequested
+from lightning_dlrover.fault.report import ResizeRequested, ReshardRequested
 from lightning_dlrover.fault.restart.spill import ProgressRecord
 from lightning_dlrover.monitor import StepTimer, emit
 
@@ -76,8 +76,8 @@ class CommitProtocol:
         self._progress: ProgressRecord | None = None
         #: Whether the launcher asks this job to grow (set under ``lightning-dlrover launch``; asked at each commit, and
         #: answers ``True`` on one rank at most): the answer travels in the vote, so every rank learns it at the same step.
-        self.grow_poll: Callable[[], bool] | None = None
-        self._grow_voted = False
+        self.resize_poll: Callable[[], bool] | None = None
+        self._resize_voted = False
         self._reshard_after: int | None = None  # a re-shard was asked for when this step was the committed one
 
     def set_restored_rank_states(self, states: Tensor | None) -> None:
@@ -124,7 +124,7 @@ class CommitProtocol:
             self._dense.stage()  # everything of step ``step`` is taken now; only the exchange and the vote wait
             # one byte past the longest rank state: whether this rank saw a grow request
             ballot = rank_state.pad(rank_state.capture_rank(self._buffers), self._rank_state_len + 1)
-            ballot[-1] = int(self.grow_poll is not None and self.grow_poll())
+            ballot[-1] = int(self.resize_poll is not None and self.resize_poll())
             self._deciding = PendingCommit(index, step, trainer_state(), ballot)
             # After the step's backward and fused optimizer: on a GPU the deltas are captured on the current
             # stream, ordered after that update (see lightning_dlrover.fault.coding.staging).
@@ -139,11 +139,11 @@ class CommitProtocol:
         self._reshard_after = self.committed_step
 
     def _resize_if_due(self) -> None:
-        """At a step boundary right after a commit: raises :class:`GrowRequested` when that commit's vote carried a
+        """At a step boundary right after a commit: raises :class:`ResizeRequested` when that commit's vote carried a
         grow request, :class:`ReshardRequested` when a re-shard was asked for before it."""
-        if self._grow_voted:
-            self._grow_voted = False
-            raise GrowRequested(self.committed_step)
+        if self._resize_voted:
+            self._resize_voted = False
+            raise ResizeRequested(self.committed_step)
         if self._reshard_after is not None and self.committed_step > self._reshard_after:
             self._reshard_after = None
             raise ReshardRequested(self.committed_step)
@@ -164,7 +164,7 @@ class CommitProtocol:
             self._voted = -1
             self._dense.promote()
             self._meta, self._rank_states = pending.meta, torch.stack(ballots)
-            self._grow_voted = any(int(ballot[-1]) for ballot in ballots)
+            self._resize_voted = any(int(ballot[-1]) for ballot in ballots)
         self._deciding = None
         self._committed(pending.step)
 

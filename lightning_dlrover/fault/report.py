@@ -18,13 +18,13 @@ class Unrecoverable(RuntimeError):
         self.step = step
 
 
-class GrowRequested(RuntimeError):
-    """Raised on every rank at the same step boundary, right after ``step`` committed, when the launcher asked the
-    job to grow (a rank saw the request and said so in the commit's vote): in-process recovery then grows the world
-    group and resumes at ``step``."""
+class ResizeRequested(RuntimeError):
+    """Raised on every rank at the same step boundary, right after ``step`` committed, when the launcher published a
+    plan that resizes the job (a grow, or a shrink the job asked for; rank 0 saw it and said so in the commit's vote):
+    in-process recovery then runs that plan and resumes at ``step``."""
 
     def __init__(self, step: int) -> None:
-        super().__init__(f"the launcher asked the job to grow after step {step}")
+        super().__init__(f"the launcher asked the job to change its world size after step {step}")
         self.step = step
 
 

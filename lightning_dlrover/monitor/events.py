@@ -79,11 +79,14 @@ KINDS: dict[str, tuple[str, ...]] = {
     "in_process_refused": ("why", "error"),
     # survivors of a loss with no spare would go on at the smaller world but cannot (fault/inplace/shrink.py): why is
     # below_parity (fewer than k + r survivors) | would_not_fit (the advisor's memory forecast) | no_parity |
-    # no_shrinker (the strategy cannot re-shard in process) | failed (half-way; the spills of the step are written)
+    # no_shrinker (the strategy cannot re-shard in process) | failed (half-way; the spills of the step are written) |
+    # several_machines (a shrink the job asked for, fault/inplace/retire.py: one-machine jobs only)
     "shrink_refused": ("why", "world_size", "lost_ranks"),
     # the launcher: no spare for lost_ranks and none to start (launch --no-cold-start): the survivors shrink to
     # world_size; pids: {new rank: pid of the process that holds it (started before the loss)}
-    "shrink_planned": ("generation", "lost_ranks", "world_size", "pids"),
+    "shrink_planned": ("generation", "lost_ranks", "world_size", "pids", "asked"),
+    # a rank a shrink the job asked for retires (fault/inplace/retire.py): it leaves at the committed step
+    "retired": ("generation", "world_size"),
     # every survivor of a shrink in process: its old rank, the world sizes; times are Unix seconds (as for
     # recovered_in_process); decode_s, reshard_s: the restore's decode and re-shard
     "shrunk_in_process": ("old_rank", "old_world_size", "world_size", "lost_ranks", "decode_s", "reshard_s",

@@ -306,6 +306,12 @@ class DLRoverStrategy(DDPStrategy):
         embeddings is undone). ``False``, and nothing changes, unless the job recovers in process (``launch``)."""
         return in_process.request_replan(self, pooling_factors, keep_feature_order)
 
+    def shrink_in_process(self, world_size: int) -> str | None:
+        """Shrinks the job to ``world_size`` ranks at a commit boundary without a restart (``launch``, one machine):
+        the highest ranks retire and their state is re-sharded onto the others; call it on every rank at the same
+        step (``ResourceAdvisor(apply=True)`` does). Why it cannot (nothing changes then), or ``None``."""
+        return in_process.request_shrink(self, world_size)
+
     def training_state(self) -> dict[str, Any]:
         """The full training state: model (sharded tables as ``ShardedTensor``), fused and dense optimizer state."""
         return {

@@ -12,7 +12,7 @@ world only: see :mod:`~lightning_dlrover.fault.inplace.shrink`) and filled by th
 the optimizers are set up again, and the fit loop resumes at the committed step with the same global batch (or the one
 an ``ElasticBatchScaler`` picks for the new world size: the fit loop's run calls ``on_train_start`` again).
 
-A grow (``launch --regrow``) runs the same way at a step boundary every rank agreed on (:class:`GrowRequested`, raised
+A grow (``launch --regrow``) runs the same way at a step boundary every rank agreed on (:class:`ResizeRequested`, raised
 after a commit whose vote carried the launcher's request): the tables are planned for the larger world first (the
 joining ranks read that plan), and every rank, running or joining, then builds its sharded model alone before they
 restore the committed state together.
@@ -29,9 +29,9 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_dlrover import lightning_glue as glue
-from lightning_dlrover.fault import VERIFY_RESIZE_ENV, FaultManager, GrowRequested, Host, ReshardRequested
+from lightning_dlrover.fault import VERIFY_RESIZE_ENV, FaultManager, ResizeRequested, Host, ReshardRequested
 from lightning_dlrover.monitor import emit, state_digest
-from lightning_dlrover.strategy import shard_model
+from lightning_dlrover.strategy import process_exit, shard_model
 from lightning_dlrover.strategy.sharding import TableConstraint, describe_plan
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def install(trainer: pl.Trainer, host: Host, recovery: InProcessRecovery) -> Non
 
     def recover(error: BaseException) -> bool:
         model = strategy.model
-        before = verify_digest(strategy) if isinstance(error, (GrowRequested, ReshardRequested)) else None
+        before = verify_digest(strategy) if isinstance(error, (ResizeRequested, ReshardRequested)) else None
         report = recovery.recover(host, error)
         if report is None:
             return False
@@ -69,7 +69,11 @@ def install(trainer: pl.Trainer, host: Host, recovery: InProcessRecovery) -> Non
         if recovery.resized and verify_digest(strategy) is not None:  # (the running ranks' digest before is theirs)
             verified(strategy, report, None)
 
-    recovery.resharder = Resharder(trainer, strategy)
+    def leave() -> None:  # a rank a shrink the job asked for retires: its last save counts, then it ends
+        strategy.checkpointing.wait()
+        process_exit.leave()
+
+    recovery.resharder, recovery.leave = Resharder(trainer, strategy), leave
     replacement = FaultManager.joining()
     if replacement:
         trainer.num_sanity_val_steps = 0  # the survivors are past it
@@ -115,6 +119,15 @@ class Resharder:
         strategy.setup_optimizers(self.trainer)
         shard_model.say_if_reordered(strategy, order, strategy.fault.committed_step, "re-sharded in process")
         return describe_plan(strategy._dmp.plan)
+
+
+def request_shrink(strategy: DLRoverStrategy, world_size: int) -> str | None:
+    """Asks the launcher to shrink the job to ``world_size`` ranks in process (see
+    ``DLRoverStrategy.shrink_in_process``); why it cannot, or ``None``."""
+    recovery = strategy.fault.in_process_recovery()
+    if recovery is None:
+        return "the job does not run under lightning-dlrover launch with in-process recovery"
+    return recovery.ask_to_shrink(world_size)
 
 
 def request_replan(strategy: DLRoverStrategy, pooling_factors: Mapping[str, float], keep_feature_order: bool) -> bool:

@@ -89,11 +89,11 @@ def test_regrow_is_refused_up_front_without_a_shrink_to_grow_back_from():
 def test_a_grow_plan_assigns_the_next_rank_and_asks_the_running_generation_to_grow():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     shrink = membership.publish_shrink_plan(store, 0, [0], 3)
-    assert not membership.grow_requested(store, 0, shrink.generation)
+    assert not membership.resize_requested(store, 0, shrink.generation)
     index = membership.register_spare(store, 0)
     plan = membership.publish_grow_plan(store, 0, 2, {2: index})
     assert plan.generation == shrink.generation + 1 and plan.grow and not plan.shrinks
-    assert membership.grow_requested(store, 0, shrink.generation)
+    assert membership.resize_requested(store, 0, shrink.generation)
     read = membership.wait_for_plan(store, 0, plan.generation, timeout=1)
     assert read == plan and (read.lost, read.replacements, read.world_size) == ([], {2: index}, 3)
     assignment = membership.wait_for_assignment(store, 0, index, wait_s=1)

@@ -47,14 +47,14 @@ def launch(tmp_path, name: str, *launch_args: str, fault: str | None = None, ste
     return digest[-1], read_events([events]), proc.stdout
 
 
-def fault_free(workdir, nproc: int = 2, script_args=()) -> str:
+def fault_free(workdir, nproc: int = 2, script_args=(), steps: int = 12) -> str:
     """The digest of the same job without a fault, under ``lightning-dlrover launch`` with no spare (it changes
     nothing without a fault). Not under Lightning's own launcher: there rank 0 waits for the others' processes only
     the job's 20 s process-group timeout, and on a loaded machine their imports took longer (the fixture failed
     with ``DistStoreError: Timed out after 21 seconds waiting for clients``)."""
     workdir.mkdir()
     proc = run(["-m", "lightning_dlrover", "launch", "--nproc-per-node", str(nproc), "--spares", "0",
-                "--master", f"127.0.0.1:{free_port()}", "--", SCRIPT, "--steps", "12", "--root", str(workdir),
+                "--master", f"127.0.0.1:{free_port()}", "--", SCRIPT, "--steps", str(steps), "--root", str(workdir),
                 *script_args], workdir, timeout=400)
     digest = re.findall(r"state digest: ([0-9a-f]{64})", proc.stdout)
     assert digest, proc.stdout[-4000:]

@@ -207,6 +207,20 @@ class ReplanAt(pl.Callback):
             assert trainer.strategy.replan_in_process(self.pooling_factors)
 
 
+class ShrinkAt(pl.Callback):
+    """At the end of step ``step`` (every rank): asks the strategy to shrink the job to ``world_size`` ranks in process,
+    as ``ResourceAdvisor(apply=True)`` does when fewer ranks are better; prints why it could not."""
+
+    def __init__(self, step: int, world_size: int) -> None:
+        self.step, self.world_size = step, world_size
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            why = trainer.strategy.shrink_in_process(self.world_size)
+            if why is not None:
+                print(f"rank {trainer.global_rank}: no shrink: {why}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=2, help="ignored under torchrun")
@@ -224,6 +238,10 @@ def main() -> None:
     parser.add_argument("--advisor", action="store_true", help="a ResourceAdvisor that applies its advice")
     parser.add_argument("--replan-at", type=int, default=0, metavar="STEP",
                         help="re-plan the tables in process after STEP, with t0 and t2 (both on rank 0 at first) 20x hotter than the others")
+    parser.add_argument("--advisor-ranks", type=int, default=0, metavar="N",
+                        help="a ResourceAdvisor that applies its advice, searching N ranks only (cost objective)")
+    parser.add_argument("--shrink-at", action="append", default=[], metavar="STEP:WORLD",
+                        help="ask to shrink the job to WORLD ranks in process after STEP (repeatable)")
     parser.add_argument("--slow-while-short", type=float, default=0.0, metavar="S",
                         help="sleep S seconds per step while the job runs below its launch world size")
     parser.add_argument("--resume", default=None)
@@ -239,9 +257,15 @@ def main() -> None:
     callbacks = []
     if args.slow_while_short:
         callbacks.append(SlowWhileShort(args.slow_while_short))
-    if args.advisor:  # the advisor applies what it finds
+    if args.advisor or args.advisor_ranks:  # the advisor applies what it finds
+        # --advisor-ranks: the cost objective over that many ranks only (one cheaper candidate: fewer ranks, whatever
+        # the timings), as a job on a machine with fewer free cores than ranks would be advised
+        cheaper = dict(objective="cost", target_samples_per_sec=1.0, cost_per_core_hour=1.0, extrapolate=True,
+                       search={"ranks_per_node": [args.advisor_ranks], "threads_per_rank": [1]})
         callbacks.append(ResourceAdvisor(profile_steps=6, probe_steps=3, settle_steps=1, apply=True, history=None,
-                                         report_dir=os.path.join(args.root, "advisor")))
+                                         report_dir=os.path.join(args.root, "advisor"),
+                                         **(cheaper if args.advisor_ranks else {})))
+    callbacks += [ShrinkAt(*map(int, at.split(":"))) for at in args.shrink_at]
     if args.replan_at:
         callbacks.append(ReplanAt(args.replan_at, {"t0": 20.0, "t2": 20.0}))
     if args.ckpt_every:

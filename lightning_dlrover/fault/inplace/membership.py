@@ -9,8 +9,9 @@ Keys (all under ``lightning_dlrover/<launch>/``, ``<launch>`` counting the launc
 - ``assign/<i>``: the :class:`Assignment` of spare ``i`` (JSON), written when it takes a lost rank;
   ``ready/<g>/<rank>``: the replacement is connecting generation ``g``; ``rank/<r>``: ``host:pid`` holding ``r``.
 - ``generation``: the newest communicator generation; ``plan/<g>``: the :class:`Plan` that starts
-  generation ``g`` (JSON), written by the launcher that saw the loss (or that grows the job: then also ``grow/<g>``,
-  which the ranks of generation ``g - 1`` look for at each commit).
+  generation ``g`` (JSON), written by the launcher that saw the loss (or that resizes the job: then also
+  ``resize/<g>``, which rank 0 of generation ``g - 1`` looks for at each commit). ``shrink_asked/<g>``: the world size
+  the ranks of generation ``g`` asked the launcher to shrink to.
 - ``device``: the device type of the job's ranks when it is not the CPU (``"cuda"``), written by the ranks; a
   launcher then hands a lost rank to a spare only where the rank's device slot is free (:mod:`.supervisor`).
 - ``committed/<g>``: the first step the ranks committed in generation ``g`` (written once per generation by each
@@ -71,6 +72,7 @@ class Plan:
     world_size: int | None = None
     refused: str | None = None  # why the launcher refused this shrink (a ``shrink_refused`` ``why``): no one goes on
     grow: bool = False  # the live ranks keep their numbers and ``replacements`` join them at ``world_size`` ranks
+    asked: bool = False  # a shrink the job asked for (:func:`ask_to_shrink`): the ``lost`` ranks are alive and leave
 
     @property
     def covered(self) -> bool:
@@ -240,33 +242,52 @@ def publish_plan(store: Store, launch: int, lost: list[int], world_size: int, sp
     return plan
 
 
-def publish_shrink_plan(store: Store, launch: int, lost: list[int], world_size: int, refused: str | None = None) -> Plan:
+def publish_shrink_plan(store: Store, launch: int, lost: list[int], world_size: int, refused: str | None = None,
+                        asked: bool = False) -> Plan:
     """Starts a new generation of launch ``launch`` in which the survivors of a world of ``world_size`` go on without
     ``lost`` (no spare takes them) and publishes the plan for the survivors; ``refused``: the launcher refused the
-    shrink for that reason, and the survivors leave for the restart path instead."""
+    shrink for that reason, and the survivors leave for the restart path instead. ``asked``: the job asked for it
+    (:func:`ask_to_shrink`): the ``lost`` ranks retire, and the ranks run the plan at their next commit
+    (:func:`resize_requested`)."""
     generation = int(store.add(PREFIX + f"{launch}/generation", 1))
-    plan = Plan(generation, sorted(lost), {}, time.time(), world_size - len(set(lost)), refused)
+    plan = Plan(generation, sorted(lost), {}, time.time(), world_size - len(set(lost)), refused, asked=asked)
     _set(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {}})
+    if asked:
+        _set(store, f"{launch}/resize/{generation}", str(plan.world_size))
     return plan
+
+
+def ask_to_shrink(store: Store, launch: int, generation: int, world_size: int) -> None:
+    """Rank 0 of ``generation`` asks the launcher to shrink the job to ``world_size`` ranks (:mod:`.retire`)."""
+    _set(store, f"{launch}/shrink_asked/{generation}", str(world_size))
+
+
+def shrink_asked(store: Store, launch: int) -> tuple[int, int] | None:
+    """On the launcher: ``(generation, world size)`` when the ranks of the current generation asked to shrink
+    (:func:`ask_to_shrink`), else ``None`` (two look-ups)."""
+    generation = int(store.add(PREFIX + f"{launch}/generation", 0))
+    key = f"{launch}/shrink_asked/{generation}"
+    return (generation, int(_get(store, key))) if store.check([PREFIX + key]) else None
 
 
 def publish_grow_plan(store: Store, launch: int, world_size: int, spares: dict[int, int]) -> Plan:
     """Starts a new generation of launch ``launch`` in which ``spares`` (``new rank -> spare index``) join the ranks
     of a world of ``world_size`` (who keep their numbers), assigns the spares, publishes the plan and asks the ranks to
-    grow at their next commit (:func:`grow_requested`)."""
+    grow at their next commit (:func:`resize_requested`)."""
     generation = int(store.add(PREFIX + f"{launch}/generation", 1))
     now, grown = time.time(), world_size + len(spares)
     for rank, spare in spares.items():
         _set(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, grown, generation, now)))
     plan = Plan(generation, [], dict(spares), now, grown, grow=True)
     _set(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {str(k): v for k, v in spares.items()}})
-    _set(store, f"{launch}/grow/{generation}", str(grown))
+    _set(store, f"{launch}/resize/{generation}", str(grown))
     return plan
 
 
-def grow_requested(store: Store, launch: int, generation: int) -> bool:
-    """Whether the launcher asked the ranks of ``generation`` to grow (one look-up, made by rank 0 at each commit)."""
-    return store.check([PREFIX + f"{launch}/grow/{generation + 1}"])
+def resize_requested(store: Store, launch: int, generation: int) -> bool:
+    """Whether the launcher published a plan that resizes the ranks of ``generation`` (a grow, or a shrink they asked
+    for) for them to run at their next commit (one look-up, made by rank 0 at each commit)."""
+    return store.check([PREFIX + f"{launch}/resize/{generation + 1}"])
 
 
 def wait_for_plan(store: Store, launch: int, generation: int, timeout: float | None = None) -> Plan | None:

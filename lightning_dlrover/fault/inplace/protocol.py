@@ -23,7 +23,9 @@ With no spare and none wanted (``launch --spares 0 --no-cold-start``) the plan i
 survivors go on at the smaller world size in their own processes (:mod:`.shrink`; the strategy's ``resharder`` does it).
 With ``launch --regrow`` the launcher then starts a process in the background and, once it waits ready, publishes a
 *grow* plan: the ranks learn it in a commit's vote, so all of them stop at the same step boundary, and the new process
-joins them at the larger world size (:meth:`InProcessRecovery.grow`).
+joins them at the larger world size (:meth:`InProcessRecovery.grow`). A job can ask for a shrink itself
+(:meth:`InProcessRecovery.ask_to_shrink`, e.g. the advisor's fewer ranks): the launcher answers with a shrink plan
+the ranks learn the same way; the highest ranks retire and the others shrink as after a loss (:mod:`.shrink`).
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dlrover.fault.host import Host
-from lightning_dlrover.fault.inplace import membership, shrink, spare
+from lightning_dlrover.fault.inplace import membership, retire, shrink, spare
 from lightning_dlrover.fault.inplace.process_group import BACKEND, ReconfigurableGroup, divide_by_live_size, register
-from lightning_dlrover.fault.report import GrowRequested, RecoveryReport, ReshardRequested
+from lightning_dlrover.fault.report import RecoveryReport, ReshardRequested, ResizeRequested
 from lightning_dlrover.fault.restart.renumber import survivor_ranks
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor import emit
@@ -56,7 +58,7 @@ class Rejoiner(Protocol):
 
     committed_step: int
     parity: Any  # the ParityConfig, or None
-    grow_poll: Callable[[], bool] | None
+    resize_poll: Callable[[], bool] | None
 
     @property
     def has_committed_state(self) -> bool: ...
@@ -180,19 +182,35 @@ class InProcessRecovery:
         #: afterwards. ``None``: shrink plans are refused.
         self.resharder: Resharder | None = None
         self.resized = False  # this process took part in a grow or re-shard (running or joining) in its last recovery
-        if self._store is not None and self._group is not None and os.environ.get(membership.REGROW_ENV) == "1":
-            manager.grow_poll = self._grow_requested
+        self.shrink_asked = False  # this job asked the launcher for a shrink it has not run yet
+        #: Set by the strategy: ends this process at once, a rank retired by a shrink the job asked for.
+        self.leave: Callable[[], None] | None = None
+        self._regrow = os.environ.get(membership.REGROW_ENV) == "1"
+        if self._store is not None and self._group is not None:
+            manager.resize_poll = self._resize_requested
 
-    def _grow_requested(self) -> bool:
-        """On rank 0 of a job short of its launch size, at each commit: whether the launcher asked it to grow (one
-        store look-up; ``launch --regrow`` only)."""
+    def _resize_requested(self) -> bool:
+        """On rank 0 at each commit, of a job short of its launch size under ``launch --regrow`` or that asked for a
+        shrink: whether the launcher published the plan that resizes it (one store look-up)."""
         group = self._group
-        if group is None or self._store is None or group.rank() != 0 or group.joining or group.size() >= group.launch_size:
+        if group is None or self._store is None or group.rank() != 0 or group.joining:
+            return False
+        if not (self.shrink_asked or (self._regrow and group.size() < group.launch_size)):
             return False
         try:
-            return membership.grow_requested(self._store, restart_count(), group.generation)
+            return membership.resize_requested(self._store, restart_count(), group.generation)
         except RuntimeError:  # the launcher's store is gone: nobody can join any more
             return False
+
+    def ask_to_shrink(self, world_size: int) -> str | None:
+        """Asks the launcher to shrink the job to ``world_size`` ranks in process (every rank, at the same step): the
+        highest ranks retire at a commit boundary once it publishes the plan. Why it cannot, or ``None``."""
+        parity = self.manager.parity
+        why = retire.cannot_ask(self._store, self._group, world_size, (parity.k, parity.r) if parity else None,
+                                self.resharder is not None and self.leave is not None)
+        if why is None:
+            self.shrink_asked = True
+        return why
 
     def committed(self, step: int) -> None:
         """After each commit: tells the launcher the first step committed in each generation of the world group
@@ -226,15 +244,18 @@ class InProcessRecovery:
             emit("in_process_refused", why="no recovery plan from the launcher", error=str(error)[:200],
                  message=f"rank {host.global_rank}: {type(error).__name__} and no rank reported lost: not recovering in process")
             return None
+        self.shrink_asked = False
+        if plan.asked and host.global_rank in plan.lost and isinstance(error, ResizeRequested):
+            retire.retire(host, plan, self.manager.committed_step, self.leave)  # (does not return)
         if host.global_rank in plan.lost or plan.refused:
             return None  # a rank the launcher believes dead must not come back; a shrink it refused (it said why)
-        if plan.grow != isinstance(error, GrowRequested):  # a rank lost while the job grows: the restart path
-            emit("in_process_refused", why="a rank was lost during a grow", error=str(error)[:200],
-                 message=f"rank {host.global_rank}: {type(error).__name__} while generation {plan.generation} grows "
-                 "the job: not recovering in process")
+        if (plan.grow or plan.asked) != isinstance(error, ResizeRequested):  # a loss while the job resizes: restart
+            emit("in_process_refused", why="a rank was lost while the job resized", error=str(error)[:200],
+                 message=f"rank {host.global_rank}: {type(error).__name__} while generation {plan.generation} "
+                 "resizes the job: not recovering in process")
             return None
         self.times.lost_at = plan.reported_at
-        self.resized = plan.grow
+        self.resized = plan.grow or plan.asked
         if plan.grow:
             return self.grow(host, plan)
         if plan.shrinks:

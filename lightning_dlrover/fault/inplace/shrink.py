@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from typing import TYPE_CHECKING
 
 import psutil
@@ -142,22 +143,30 @@ def refuse(world_size: int, lost: list[int], why: str, message: str, step: int |
          "restarting every worker instead")
 
 
-def shrink_in_process(sup: Supervisor, lost: list[int]) -> int:
+def shrink_in_process(sup: Supervisor, lost: list[int], asked: bool = False) -> int | None:
     """The launcher's side: no spare for ``lost``, none to start: the survivors go on without them, unless this
-    machine's memory cannot take it (the plan then says so and the survivors leave); the plan's generation."""
+    machine's memory cannot take it (the plan then says so and the survivors leave); the plan's generation.
+    ``asked``: the job asked for it (:mod:`.retire`): ``lost`` are alive and retire; a refusal publishes no plan
+    (``None``: the job trains on as it is)."""
     refused = memory_refusal(reserve.published(sup.store, sup.restarts), sup.live_world, lost,
                              sup.args.memory_limit_bytes, *job_memory())
     if refused is not None:
         refuse(sup.live_world, lost, *refused)
+        if asked:
+            return None
         return membership.publish_shrink_plan(sup.store, sup.restarts, lost, sup.live_world, refused[0]).generation
     numbers = survivor_ranks(sup.live_world, lost)
-    plan = membership.publish_shrink_plan(sup.store, sup.restarts, lost, sup.live_world)
+    now = time.monotonic()
+    sup.retiring += [(w, now) for w in sup.workers if w.rank in lost]  # (asked: alive, they end on their own)
+    sup.workers = [w for w in sup.workers if w.rank not in lost]
+    plan = membership.publish_shrink_plan(sup.store, sup.restarts, lost, sup.live_world, asked=asked)
     for w in [w for w in sup.workers if w.rank is not None]:
         w.rank = numbers[w.rank]
         membership.publish_worker(sup.store, sup.restarts, w.rank, socket.gethostname(), w.process.pid)
     sup.live_world = len(numbers)
     sup.publish_ranks()
-    emit("shrink_planned", generation=plan.generation, lost_ranks=plan.lost, world_size=sup.live_world,
+    how = "retire as the job asked" if asked else "lost, no spare"
+    emit("shrink_planned", generation=plan.generation, lost_ranks=plan.lost, world_size=sup.live_world, asked=asked,
          pids={str(w.rank): w.process.pid for w in sup.workers if w.rank is not None},
-         message=f"generation {plan.generation}: ranks {plan.lost} lost, no spare: shrinking to {len(numbers)} ranks")
+         message=f"generation {plan.generation}: ranks {plan.lost} {how}: shrinking to {len(numbers)} ranks")
     return plan.generation

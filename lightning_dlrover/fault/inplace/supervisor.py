@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from torch.distributed import TCPStore
 
 from lightning_dlrover import worker_env
-from lightning_dlrover.fault.inplace import membership, priority, process_group, zygote
+from lightning_dlrover.fault.inplace import membership, priority, process_group, retire, zygote
 from lightning_dlrover.fault.inplace.grow import Regrow
 from lightning_dlrover.fault.inplace.shrink import shrink_in_process
 from lightning_dlrover.fault.inplace.store import serve_store  # noqa: F401  (imported from here by cli/ and tests)
@@ -76,6 +76,8 @@ class Supervisor:
     _reaped_at: float = 0.0
     live_world: int = 0  # the world size now (smaller than ``world_size`` after a shrink in process)
     regrow: Regrow = field(default_factory=Regrow)  # back to ``world_size`` after a shrink (``--regrow``)
+    retiring: list[tuple[Worker, float]] = field(default_factory=list)  # ranks a shrink retires; since (monotonic)
+    asked_answered: int = -1  # the generation whose shrink request was answered last (:mod:`.retire`)
 
     @property
     def world_size(self) -> int:
@@ -161,6 +163,7 @@ class Supervisor:
         for local in range(a.nproc_per_node):
             self.spawn(first + local, local)
         self._owed, self._gate, self.live_world = a.spares, 0, self.world_size  # spares: after the first commit
+        self.asked_answered = -1
         self.publish_ranks()
 
     def start_spares(self) -> None:
@@ -201,6 +204,8 @@ class Supervisor:
             for worker in self.workers:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     worker.process.wait(timeout=max(deadline - time.time(), 0.01))
+        self.workers += [w for w, _ in self.retiring]
+        self.retiring = []
         for worker in self.workers:
             if worker.process.poll() is None:
                 worker.process.kill()
@@ -344,6 +349,9 @@ class Supervisor:
                 recovering = None
             if (grown := self.regrow.tick(self, recovering)) is not None:
                 recovering = grown
+            if (shrunk := retire.answer(self, recovering)) is not None:
+                recovering = shrunk
+            retire.reap(self)
             failed = self.failed_ranks() + self.watch_machines(adopt=not self._finished)
             if failed:
                 recent = recovering is not None

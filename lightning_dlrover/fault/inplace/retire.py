@@ -1,0 +1,94 @@
+"""A shrink the job asks for: the highest ranks retire and the others go on at the smaller world size, in process.
+
+The resource advisor may find that fewer ranks train faster or cheaper (``ResourceAdvisor(apply=True)``). Under
+``lightning-dlrover launch`` on one machine, the job then shrinks without a restart:
+
+1. every rank asks at the same step (:meth:`~.protocol.InProcessRecovery.ask_to_shrink`; the strategy's
+   ``shrink_in_process``); rank 0 writes the request into the launcher's store (:func:`~.membership.ask_to_shrink`).
+   What the ranks can know is checked first, on every rank alike (:func:`cannot_ask`): nothing is asked then;
+2. the launcher answers (:func:`answer`) once no recovery runs: it checks this machine's memory as for a shrink after
+   a loss, then publishes a shrink plan that retires ranks ``world_size ..`` (``asked``), or refuses
+   (``shrink_refused``; the job trains on as it is);
+3. rank 0 sees the plan at its next commit and says so in the commit's vote, so every rank stops at the same step
+   boundary (``ResizeRequested``); the retiring ranks leave their processes (``retired``, exit status 0), and the
+   others run the shrink after a loss (:mod:`.shrink`): the retired ranks' shards are decoded from parity, exactly
+   the committed state, and re-sharded onto the survivors.
+
+The retired ranks' state is taken from parity rather than sent by them: it is the shrink's tested path, and a
+retiring rank holds nothing the parity lacks at a commit boundary.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lightning_dlrover.fault.host import Host
+from lightning_dlrover.fault.inplace import membership, shrink
+from lightning_dlrover.monitor import emit
+from lightning_dlrover.worker_env import restart_count
+
+if TYPE_CHECKING:
+    from lightning_dlrover.fault.inplace.supervisor import Supervisor
+
+SEVERAL_MACHINES = "several_machines"  # ``why`` of a ``shrink_refused``: the launcher shrinks one-machine jobs only
+
+
+def cannot_ask(store: Any, group: Any, world_size: int, parity: tuple[int, int] | None,
+               can_reshard: bool) -> str | None:
+    """Why the ranks of ``group`` cannot ask to shrink to ``world_size`` (the same answer on every rank), or ``None``
+    (then rank 0 has asked the launcher)."""
+    if store is None or group is None:
+        return "the job does not run under lightning-dlrover launch with in-process recovery"
+    if not can_reshard:
+        return "this strategy cannot re-shard its model in process"
+    size = group.size()
+    if not 1 <= world_size < size:
+        return f"{world_size} ranks is not a smaller world than the job's {size}"
+    if int(os.environ.get("LOCAL_WORLD_SIZE", size)) != size:
+        return "the job runs on several machines (the launcher shrinks one-machine jobs only)"
+    refused = shrink.refusal(size, list(range(world_size, size)), parity)
+    if refused is not None:
+        return refused[1]
+    if group.rank() == 0:
+        membership.ask_to_shrink(store, restart_count(), group.generation, world_size)
+    return None
+
+
+def retire(host: Host, plan: membership.Plan, step: int, leave: Callable[[], None] | None) -> None:
+    """On a rank the plan retires, at the commit boundary every rank agreed on: says so and ends the process (the
+    others decode its shards from parity)."""
+    emit("retired", step=step, generation=plan.generation, world_size=plan.world_size,
+         message=f"rank {host.global_rank} retired at step {step}: the job goes on at {plan.world_size} ranks")
+    if leave is None:
+        raise RuntimeError("a retiring rank needs the strategy's leave() (set with the resharder)")
+    leave()
+
+
+def answer(sup: Supervisor, recovering: int | None) -> int | None:
+    """The launcher's side, from its loop: answers a shrink the ranks asked for once no recovery runs (a plan that
+    retires the highest ranks, or a refusal with the reason); returns the plan's generation (a recovery in
+    progress), else ``None``."""
+    if recovering is not None:
+        return None
+    asked = membership.shrink_asked(sup.store, sup.restarts)
+    if asked is None or asked[0] <= sup.asked_answered:
+        return None
+    sup.asked_answered, world_size = asked
+    retiring = list(range(world_size, sup.live_world))
+    if sup.args.nnodes != 1:
+        shrink.refuse(sup.live_world, retiring, SEVERAL_MACHINES, "the launcher shrinks one-machine jobs only")
+        return None
+    return shrink.shrink_in_process(sup, retiring, asked=True)
+
+
+def reap(sup: Supervisor, grace_s: float = 60.0) -> None:
+    """Forgets retired ranks that ended; one still running ``grace_s`` seconds after its plan is stopped."""
+    now = time.monotonic()
+    for worker, since in sup.retiring:
+        if worker.process.poll() is None and now - since > grace_s:
+            worker.process.kill()
+            worker.process.wait()
+    sup.retiring = [(w, since) for w, since in sup.retiring if w.process.poll() is None]
