@@ -18,6 +18,10 @@ Same job as ``bench/bench_recovery.py`` (the chaos config with 26 tables of ``--
   every fourth table 20x hotter (``bench/replan_at.py``, what ``ResourceAdvisor(apply=True)`` does with measured
   pooling factors), and at the next commit they are re-sharded in process at the same world size. Its row: ``restore``
   from the commit boundary to the state restored in the new layout, ``total`` to the first commit after it;
+- ``in-process retire``: no fault; after step ``--at-step`` every rank asks to shrink the job to ``--ranks - 1`` ranks
+  (``bench/replan_at.py``, what ``ResourceAdvisor(apply=True)`` does when fewer ranks are better): the launcher
+  publishes the plan, the highest rank retires at the next commit and the others shrink in process. Its row as the
+  re-plan's; ``detect`` from the launcher's plan to that commit boundary;
 - ``dcp``, ``parity restart``: ``bench_recovery.measure`` in the same run (2 ``torchrun`` agents x 2 ranks, node
   0 killed, every worker restarted; a checkpoint at the kill step for ``dcp``, spills for ``parity``).
 
@@ -44,6 +48,7 @@ the start and at the end: other jobs on the machine move every number.
     PYTHONPATH=. python bench/bench_in_process.py --methods "in-process shrink" "in-process hot" --base-rows 0
     PYTHONPATH=. python bench/bench_in_process.py --methods "in-process grow" dcp --rows 20000 100000 --base-rows 0
     PYTHONPATH=. python bench/bench_in_process.py --methods "in-process replan" --rows 20000 100000 --base-rows 0
+    PYTHONPATH=. python bench/bench_in_process.py --methods "in-process retire" dcp --rows 20000 100000 --base-rows 0
 """
 
 from __future__ import annotations
@@ -109,16 +114,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def replanned(rows: int, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
-    """The re-plan drill (see the module docs); timings from its events."""
+def asked(rows: int, args: argparse.Namespace, workdir: Path, what: str) -> dict[str, float]:
+    """The re-plan or retire drill (see the module docs); timings from its events."""
     config_path = bench_recovery.job_config(rows, args.dim, "parity", args.at_step, args.at_step + args.after_steps,
                                             workdir)
     config = yaml.safe_load(config_path.read_text())
     hot = {f"t_cat_{i}": 20.0 for i in range(0, 26, 4)}
-    config["trainer"]["callbacks"].append({"class_path": "replan_at.ReplanAt",
-                                           "init_args": {"step": args.at_step, "pooling_factors": hot}})
+    config["trainer"]["callbacks"].append(
+        {"class_path": "replan_at.ReplanAt", "init_args": {"step": args.at_step, "pooling_factors": hot}}
+        if what == "replan" else
+        {"class_path": "replan_at.ShrinkAt", "init_args": {"step": args.at_step, "world_size": args.ranks - 1}})
     config_path.write_text(yaml.safe_dump(config))
-    run_dir = workdir / f"replan-{rows}"
+    run_dir = workdir / f"{what}-{rows}"
     run_dir.mkdir()
     events_path = run_dir / "events.jsonl"
     env = {**os.environ, "LIGHTNING_DLROVER_EVENTS": str(events_path),
@@ -129,14 +136,16 @@ def replanned(rows: int, args: argparse.Namespace, workdir: Path) -> dict[str, f
     with open(run_dir / "launch.log", "w") as log:
         code = subprocess.run(command, env=env, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
     events = read_events([events_path])
-    done = [e for e in events if e.kind == "resharded_in_process"]
+    done = [e for e in events if e.kind == ("resharded_in_process" if what == "replan" else "shrunk_in_process")]
     if code != 0 or not done:
-        sys.exit(f"the re-plan drill ({rows} rows) did not re-shard in process; see {run_dir}")
+        sys.exit(f"the {what} drill ({rows} rows) did not change the job in process; see {run_dir}")
     boundary = min(e.fields["failed_at"] for e in done)
     restored = max(e.fields["restored_at"] for e in done)
     resumed = next(e for e in events if e.kind == "resumed" and e.time >= restored).time
-    print(f"{rows} rows, re-planned: {done[0].fields['sharding']}", flush=True)
-    return {"lost_bytes": float("nan"), "detect": 0.0, "replacement": 0.0,
+    if what == "replan":
+        print(f"{rows} rows, re-planned: {done[0].fields['sharding']}", flush=True)
+    asked_at = next((e.time for e in events if e.kind == "shrink_planned"), boundary)  # (the launcher's plan)
+    return {"lost_bytes": float("nan"), "detect": max(boundary - asked_at, 0.0), "replacement": 0.0,
             "decode": max(e.fields["decode_s"] + e.fields["reshard_s"] for e in done), "restore": restored - boundary,
             "first_step": resumed - restored, "total": resumed - boundary}
 
@@ -251,8 +260,8 @@ def main() -> None:
         for rows in args.rows:
             results = {}
             for method in args.methods:
-                if method == "in-process replan":
-                    results[method] = replanned(rows, args, Path(tmp))
+                if method in ("in-process replan", "in-process retire"):
+                    results[method] = asked(rows, args, Path(tmp), method.split()[-1])
                 elif method.startswith("in-process"):
                     results[method] = in_process(rows, args, Path(tmp), spares=1 if method.endswith("hot") else 0,
                                                  shrink=method.endswith(("shrink", "grow")),
