@@ -206,8 +206,8 @@ class InProcessRecovery:
         """Asks the launcher to shrink the job to ``world_size`` ranks in process (every rank, at the same step): the
         highest ranks retire at a commit boundary once it publishes the plan. Why it cannot, or ``None``."""
         parity = self.manager.parity
-        why = retire.cannot_ask(self._store, self._group, world_size, (parity.k, parity.r) if parity else None,
-                                self.resharder is not None and self.leave is not None)
+        why = retire.ask(self._store, self._group, world_size, (parity.k, parity.r) if parity else None,
+                         self.resharder is not None and self.leave is not None)
         if why is None:
             self.shrink_asked = True
         return why

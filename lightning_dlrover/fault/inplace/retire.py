@@ -5,7 +5,7 @@ The resource advisor may find that fewer ranks train faster or cheaper (``Resour
 
 1. every rank asks at the same step (:meth:`~.protocol.InProcessRecovery.ask_to_shrink`; the strategy's
    ``shrink_in_process``); rank 0 writes the request into the launcher's store (:func:`~.membership.ask_to_shrink`).
-   What the ranks can know is checked first, on every rank alike (:func:`cannot_ask`): nothing is asked then;
+   What the ranks can know is checked first, on every rank alike (:func:`ask`): nothing is asked then;
 2. the launcher answers (:func:`answer`) once no recovery runs: it checks this machine's memory as for a shrink after
    a loss, then publishes a shrink plan that retires ranks ``world_size ..`` (``asked``), or refuses
    (``shrink_refused``; the job trains on as it is);
@@ -36,10 +36,9 @@ if TYPE_CHECKING:
 SEVERAL_MACHINES = "several_machines"  # ``why`` of a ``shrink_refused``: the launcher shrinks one-machine jobs only
 
 
-def cannot_ask(store: Any, group: Any, world_size: int, parity: tuple[int, int] | None,
-               can_reshard: bool) -> str | None:
-    """Why the ranks of ``group`` cannot ask to shrink to ``world_size`` (the same answer on every rank), or ``None``
-    (then rank 0 has asked the launcher)."""
+def ask(store: Any, group: Any, world_size: int, parity: tuple[int, int] | None, can_reshard: bool) -> str | None:
+    """Asks the launcher (rank 0 of ``group``) to shrink the job to ``world_size`` ranks: ``None`` once asked, else
+    why the ranks cannot (the same answer on every rank; nothing is asked)."""
     if store is None or group is None:
         return "the job does not run under lightning-dlrover launch with in-process recovery"
     if not can_reshard:
