@@ -56,9 +56,10 @@ def test_a_shrink_that_cannot_run_leaves_the_job_as_it_is(tmp_path):
     assert not {"restarting_all", "shrink_planned", "retired", "shrunk_in_process"} & set(kinds), output[-4000:]
     assert "2 ranks not applied in process: the model reads its pooled embeddings by position" in output
     assert not [e for e in events if e.kind == "advice_applied" and e.fields["knob"] == "ranks_per_node"]
-    below = [line for line in output.splitlines() if "no shrink: 1 survivors are fewer than k + r = 2" in line]
+    below = [line for line in output.splitlines() if "no shrink: 1 ranks are fewer than k + r = 2" in line]
     assert len(below) == 3, output[-4000:]  # said by every rank
     (refused,) = [e for e in events if e.kind == "shrink_refused"]
     assert (refused.fields["why"], refused.fields["lost_ranks"]) == ("would_not_fit", [2])
-    assert "launch --memory-limit-gb" in output
+    assert "launch --memory-limit-gb)" in output and "the job trains on at 3 ranks" in output, output[-4000:]
+    assert "launch --spares 1" not in output  # (no spare to suggest for a shrink the job asked for)
     assert digest == fault_free(tmp_path / "reference", nproc=3, steps=24, script_args=("--advisor-ranks", "2"))

@@ -48,9 +48,11 @@ def ask(store: Any, group: Any, world_size: int, parity: tuple[int, int] | None,
         return f"{world_size} ranks is not a smaller world than the job's {size}"
     if int(os.environ.get("LOCAL_WORLD_SIZE", size)) != size:
         return "the job runs on several machines (the launcher shrinks one-machine jobs only)"
-    refused = shrink.refusal(size, list(range(world_size, size)), parity)
-    if refused is not None:
-        return refused[1]
+    if parity is None:
+        return "the job has no parity to decode the retiring ranks' shards from (DLRoverStrategy(parity=...))"
+    if world_size < sum(parity):
+        return (f"{world_size} ranks are fewer than k + r = {sum(parity)}, which the parity of the smaller world needs "
+                f"(k={parity[0]}, r={parity[1]}): ask for {sum(parity)} ranks or more")
     if group.rank() == 0:
         membership.ask_to_shrink(store, restart_count(), group.generation, world_size)
     return None
@@ -78,7 +80,8 @@ def answer(sup: Supervisor, recovering: int | None) -> int | None:
     sup.asked_answered, world_size = asked
     retiring = list(range(world_size, sup.live_world))
     if sup.args.nnodes != 1:
-        shrink.refuse(sup.live_world, retiring, SEVERAL_MACHINES, "the launcher shrinks one-machine jobs only")
+        shrink.refuse(sup.live_world, retiring, SEVERAL_MACHINES, "the launcher shrinks one-machine jobs only",
+                      asked=True)
         return None
     return shrink.shrink_in_process(sup, retiring, asked=True)
 

@@ -106,7 +106,7 @@ def memory_headroom(limit_bytes: int | None, used_bytes: int, available_bytes: i
 
 
 def memory_refusal(state_bytes: int, world_size: int, lost: list[int], limit_bytes: int | None, used_bytes: int,
-                   available_bytes: int) -> tuple[str, str] | None:
+                   available_bytes: int, asked: bool = False) -> tuple[str, str] | None:
     """Why this machine's memory cannot take the shrink (the launcher's check, so that every survivor gets the same
     answer in the plan): ``(WOULD_NOT_FIT, message)``, or ``None``.
 
@@ -121,6 +121,7 @@ def memory_refusal(state_bytes: int, world_size: int, lost: list[int], limit_byt
             limit, else the machine's memory; ``None``: the machine's).
         used_bytes: what the job's processes on this machine hold now (resident); available_bytes: what the machine
             can still hand out.
+        asked: a shrink the job asked for (:mod:`.retire`; no spare to suggest).
     """
     survivors = len(survivor_ranks(world_size, lost))
     limit_bytes, headroom = memory_headroom(limit_bytes, used_bytes, available_bytes)
@@ -131,16 +132,18 @@ def memory_refusal(state_bytes: int, world_size: int, lost: list[int], limit_byt
     return WOULD_NOT_FIT, (f"the {survivors} survivors would allocate {need / mib:.0f} MiB for the smaller world's "
                            f"shares (each keeps its own state until the restore) and this machine has "
                            f"{max(headroom, 0) / mib:.0f} MiB left under the job's memory limit of "
-                           f"{limit_bytes / mib:.0f} MiB ({used_bytes / mib:.0f} MiB in use): keep a spare "
-                           "(launch --spares 1) or give the job more memory (launch --memory-limit-gb)")
+                           f"{limit_bytes / mib:.0f} MiB ({used_bytes / mib:.0f} MiB in use): "
+                           + ("" if asked else "keep a spare (launch --spares 1) or ")
+                           + "give the job more memory (launch --memory-limit-gb)")
 
 
-def refuse(world_size: int, lost: list[int], why: str, message: str, step: int | None = None) -> None:
+def refuse(world_size: int, lost: list[int], why: str, message: str, step: int | None = None,
+           asked: bool = False) -> None:
     """Says (``shrink_refused``) that the survivors of ``lost`` do not shrink in process, and why: the launcher's
-    restart path takes over."""
+    restart path takes over (``asked``: a shrink the job asked for, which trains on as it is)."""
     emit("shrink_refused", step=step, why=why, world_size=world_size, lost_ranks=sorted(lost),
          message=f"not shrinking in process to {world_size - len(lost)} ranks without ranks {sorted(lost)}: {message}; "
-         "restarting every worker instead")
+         + (f"the job trains on at {world_size} ranks" if asked else "restarting every worker instead"))
 
 
 def shrink_in_process(sup: Supervisor, lost: list[int], asked: bool = False) -> int | None:
@@ -149,9 +152,9 @@ def shrink_in_process(sup: Supervisor, lost: list[int], asked: bool = False) -> 
     ``asked``: the job asked for it (:mod:`.retire`): ``lost`` are alive and retire; a refusal publishes no plan
     (``None``: the job trains on as it is)."""
     refused = memory_refusal(reserve.published(sup.store, sup.restarts), sup.live_world, lost,
-                             sup.args.memory_limit_bytes, *job_memory())
+                             sup.args.memory_limit_bytes, *job_memory(), asked=asked)
     if refused is not None:
-        refuse(sup.live_world, lost, *refused)
+        refuse(sup.live_world, lost, *refused, asked=asked)
         if asked:
             return None
         return membership.publish_shrink_plan(sup.store, sup.restarts, lost, sup.live_world, refused[0]).generation
