@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from lightning_dlrover.fault.coding import reserve
 from lightning_dlrover.fault.inplace import membership
-from lightning_dlrover.fault.inplace.shrink import WOULD_NOT_FIT, job_memory, memory_headroom
+from lightning_dlrover.fault.inplace.shrink import WOULD_NOT_FIT, job_memory, memory_shortfall
 from lightning_dlrover.fault.inplace.spare import SETUP_ENV
 from lightning_dlrover.fault.inplace.workers import Worker
 from lightning_dlrover.monitor.events import emit
@@ -117,10 +117,10 @@ def memory_refusal(state_bytes: int, world_size: int, limit_bytes: int | None, u
     world_size``, ``state_bytes`` being the largest rank's coded state and parity share now) while each running rank
     keeps its committed state until the restore has filled the new shares. ``used_bytes`` includes the new process,
     already set up (arguments as :func:`~.shrink.memory_refusal`'s)."""
-    limit_bytes, headroom = memory_headroom(limit_bytes, used_bytes, available_bytes)
-    need = state_bytes * world_size
-    if not state_bytes or need <= headroom:
+    short = memory_shortfall(state_bytes, world_size, limit_bytes, used_bytes, available_bytes)
+    if short is None:
         return None
+    need, limit_bytes, headroom = short
     mib = 2**20
     return (f"the {world_size + 1} ranks of the larger world would allocate {need / mib:.0f} MiB for their shares "
             f"(each running rank keeps its own state until the restore) and this machine has {max(headroom, 0) / mib:.0f}"

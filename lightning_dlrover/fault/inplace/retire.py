@@ -48,11 +48,9 @@ def ask(store: Any, group: Any, world_size: int, parity: tuple[int, int] | None,
         return f"{world_size} ranks is not a smaller world than the job's {size}"
     if int(os.environ.get("LOCAL_WORLD_SIZE", size)) != size:
         return "the job runs on several machines (the launcher shrinks one-machine jobs only)"
-    if parity is None:
-        return "the job has no parity to decode the retiring ranks' shards from (DLRoverStrategy(parity=...))"
-    if world_size < sum(parity):
-        return (f"{world_size} ranks are fewer than k + r = {sum(parity)}, which the parity of the smaller world needs "
-                f"(k={parity[0]}, r={parity[1]}): ask for {sum(parity)} ranks or more")
+    refused = shrink.refusal(size, list(range(world_size, size)), parity, asked=True)
+    if refused is not None:
+        return refused[1]
     if group.rank() == 0:
         membership.ask_to_shrink(store, restart_count(), group.generation, world_size)
     return None

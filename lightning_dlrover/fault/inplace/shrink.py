@@ -65,7 +65,8 @@ NO_SHRINKER = "no_shrinker"  # the strategy cannot re-shard its model in process
 FAILED = "failed"  # the shrink failed half-way: the survivors wrote the spills of the committed state and stop
 
 
-def refusal(world_size: int, lost: list[int], parity: tuple[int, int] | None) -> tuple[str, str] | None:
+def refusal(world_size: int, lost: list[int], parity: tuple[int, int] | None,
+            asked: bool = False) -> tuple[str, str] | None:
     """Why the ``world_size - len(lost)`` survivors cannot go on in process without ``lost``: ``(why, message)``, or
     ``None`` when they can (each survivor checks; whether they fit in memory the launcher checks, see
     :func:`memory_refusal`).
@@ -74,15 +75,17 @@ def refusal(world_size: int, lost: list[int], parity: tuple[int, int] | None) ->
         world_size: ranks before the loss.
         lost: the lost ranks.
         parity: the job's ``(k, r)``; ``None`` without parity (nothing to decode the lost shards from).
+        asked: a shrink the job asked for (:mod:`.retire`: ``lost`` retire; no spare to suggest).
     """
     survivors = len(survivor_ranks(world_size, lost))
     if parity is None:
-        return NO_PARITY, ("the job has no parity, so the lost ranks' shards cannot be decoded: pass "
-                           "DLRoverStrategy(parity=ParityConfig(...)) to shrink in process")
+        return NO_PARITY, (f"the job has no parity, so the {'retiring' if asked else 'lost'} ranks' shards cannot be "
+                           "decoded: pass DLRoverStrategy(parity=ParityConfig(...)) to shrink in process")
     k, r = parity
     if survivors < k + r:
-        return BELOW_PARITY, (f"{survivors} survivors are fewer than k + r = {k + r} ranks, which the parity of the "
-                              f"smaller world needs (k={k}, r={r}): lower k, or keep a spare (launch --spares 1)")
+        remedy = f"ask for {k + r} ranks or more" if asked else "lower k, or keep a spare (launch --spares 1)"
+        return BELOW_PARITY, (f"{survivors} {'ranks' if asked else 'survivors'} are fewer than k + r = {k + r}, which "
+                              f"the parity of the smaller world needs (k={k}, r={r}): {remedy}")
     return None
 
 
@@ -98,11 +101,17 @@ def job_memory() -> tuple[int, int]:
     return used, psutil.virtual_memory().available
 
 
-def memory_headroom(limit_bytes: int | None, used_bytes: int, available_bytes: int) -> tuple[int, int]:
-    """``(limit, headroom)``: the job's memory limit on this machine (``None``: the machine's memory) and the bytes it
-    may still allocate under it and under what the machine can hand out."""
+def memory_shortfall(state_bytes: int, world_size: int, limit_bytes: int | None, used_bytes: int,
+                     available_bytes: int) -> tuple[int, int, int] | None:
+    """``(need, limit, headroom)`` when this machine cannot take a resize of a ``world_size``-rank job whose ranks build
+    their new shares (the whole state, ``state_bytes x world_size``) beside their committed state, else ``None``
+    (``None`` too when no state size was published: nothing is known). ``limit``: the job's memory limit here
+    (``None``: the machine's memory); ``headroom``: what it may still allocate under it and under what the machine
+    can hand out."""
     limit_bytes = limit_bytes or psutil.virtual_memory().total
-    return limit_bytes, min(limit_bytes - used_bytes, available_bytes)
+    headroom = min(limit_bytes - used_bytes, available_bytes)
+    need = state_bytes * world_size
+    return None if not state_bytes or need <= headroom else (need, limit_bytes, headroom)
 
 
 def memory_refusal(state_bytes: int, world_size: int, lost: list[int], limit_bytes: int | None, used_bytes: int,
@@ -124,10 +133,10 @@ def memory_refusal(state_bytes: int, world_size: int, lost: list[int], limit_byt
         asked: a shrink the job asked for (:mod:`.retire`; no spare to suggest).
     """
     survivors = len(survivor_ranks(world_size, lost))
-    limit_bytes, headroom = memory_headroom(limit_bytes, used_bytes, available_bytes)
-    need = state_bytes * world_size
-    if not state_bytes or need <= headroom:
+    short = memory_shortfall(state_bytes, world_size, limit_bytes, used_bytes, available_bytes)
+    if short is None:
         return None
+    need, limit_bytes, headroom = short
     mib = 2**20
     return WOULD_NOT_FIT, (f"the {survivors} survivors would allocate {need / mib:.0f} MiB for the smaller world's "
                            f"shares (each keeps its own state until the restore) and this machine has "
