@@ -123,7 +123,7 @@ def asked(rows: int, args: argparse.Namespace, workdir: Path, what: str) -> dict
     config["trainer"]["callbacks"].append(
         {"class_path": "replan_at.ReplanAt", "init_args": {"step": args.at_step, "pooling_factors": hot}}
         if what == "replan" else
-        {"class_path": "replan_at.ShrinkAt", "init_args": {"step": args.at_step, "world_size": args.ranks - 1}})
+        {"class_path": "replan_at.ResizeAt", "init_args": {"step": args.at_step, "world_size": args.ranks - 1}})
     config_path.write_text(yaml.safe_dump(config))
     run_dir = workdir / f"{what}-{rows}"
     run_dir.mkdir()

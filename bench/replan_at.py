@@ -17,10 +17,10 @@ class ReplanAt(pl.Callback):
             raise RuntimeError("the job cannot re-plan in process: run it under lightning-dlrover launch with parity")
 
 
-class ShrinkAt(pl.Callback):
+class ResizeAt(pl.Callback):
     def __init__(self, step: int, world_size: int) -> None:
         self.step, self.world_size = step, world_size
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        if trainer.global_step == self.step and (why := trainer.strategy.shrink_in_process(self.world_size)):
-            raise RuntimeError(f"the job cannot shrink in process: {why}")
+        if trainer.global_step == self.step and (why := trainer.strategy.resize_in_process(self.world_size)):
+            raise RuntimeError(f"the job cannot resize in process: {why}")

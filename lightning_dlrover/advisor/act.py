@@ -74,7 +74,7 @@ class Actor:
             applied = self.applier.apply(live, trainer.global_step, stage)
             self.current = self.current.with_(**applied)
         if self.config.apply:
-            applied.update(self.shrink_live(trainer, target, stage))
+            applied.update(self.resize_live(trainer, target, stage))
         restart = self.decide_restart(trainer, target)
         if trainer.is_global_zero:
             gain = recommendation.gain if stage == "profile" and recommendation else None
@@ -92,26 +92,27 @@ class Actor:
         if restart and restart.how == "checkpoint":
             trainer.should_stop = True
 
-    def shrink_live(self, trainer: Trainer, target: ResourceConfig, stage: str) -> dict[str, int]:
-        """Fewer ranks on the job's one machine (every rank): asked of the strategy's in-process shrink, for a model
-        that reads its pooled embeddings by key (a new plan reorders them: one reading ``KeyedTensor.values()`` would
-        see permuted features); ``{"ranks_per_node": n}`` once asked, else ``{}`` (the restart advice stays)."""
+    def resize_live(self, trainer: Trainer, target: ResourceConfig, stage: str) -> dict[str, int]:
+        """Fewer or more ranks on the job's one machine (every rank): asked of the strategy's in-process resize (more:
+        up to ``launch --max-nproc-per-node``), for a model that reads its pooled embeddings by key (a new plan reorders
+        them: one reading ``KeyedTensor.values()`` would see permuted features); ``{"ranks_per_node": n}`` once asked,
+        else ``{}`` (the restart advice stays)."""
         now = self.current
-        if not (target.nodes == now.nodes == 1 and target.ranks_per_node < now.ranks_per_node):
+        if not (target.nodes == now.nodes == 1 and target.ranks_per_node != now.ranks_per_node):
             return {}
-        shrink = getattr(trainer.strategy, "shrink_in_process", None)
-        if shrink is None:
+        resize = getattr(trainer.strategy, "resize_in_process", None)
+        if resize is None:
             return {}
         why = ("the model reads its pooled embeddings by position (set pooled_embeddings_by_key = True on the "
                "LightningModule if it reads them by key)"
                if not getattr(trainer.lightning_module, "pooled_embeddings_by_key", False)
-               else shrink(target.ranks_per_node))
+               else resize(target.ranks_per_node))
         if why is not None:
             if trainer.is_global_zero:
                 rank_zero_report(log, f"ResourceAdvisor: {target.ranks_per_node} ranks not applied in process: {why}")
             return {}
         emit("advice_applied", step=trainer.global_step, stage=stage, knob="ranks_per_node", old=now.ranks_per_node,
-             new=target.ranks_per_node, via=f"{type(trainer.strategy).__name__}.shrink_in_process")
+             new=target.ranks_per_node, via=f"{type(trainer.strategy).__name__}.resize_in_process")
         self.current = now.with_(ranks_per_node=target.ranks_per_node)
         return {"ranks_per_node": target.ranks_per_node}
 

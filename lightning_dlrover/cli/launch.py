@@ -66,6 +66,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--regrow", action="store_true",
                    help="with --no-cold-start: after the survivors shrank, start a process in the background and grow "
                         "the job back to its launch size in process once it is set up (at a commit; no restart)")
+    p.add_argument("--max-nproc-per-node", type=int, default=None,
+                   help="the most ranks this machine may run when the job asks to grow in process (DLRoverStrategy."
+                        "resize_in_process, e.g. the resource advisor's more ranks; one machine; default: "
+                        "--nproc-per-node, no grow beyond it)")
     p.add_argument("--memory-limit-gb", type=float, default=None,
                    help="memory the job may use on this machine (default: its cgroup limit, else the machine's "
                         "memory); a shrink in process that would not fit in it restarts every worker instead")
@@ -90,6 +94,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.regrow and (args.cold_start or args.nnodes > 1 or args.no_in_process):
         p.error("--regrow grows the job back after a shrink in process, which needs --no-cold-start, one machine "
                 "(--nnodes 1) and in-process recovery (no --no-in-process).")
+    args.max_nproc_per_node = args.max_nproc_per_node or args.nproc_per_node
+    if args.max_nproc_per_node < args.nproc_per_node:
+        p.error(f"--max-nproc-per-node {args.max_nproc_per_node} must be >= --nproc-per-node {args.nproc_per_node}.")
+    if args.max_nproc_per_node > args.nproc_per_node and (args.nnodes > 1 or args.no_in_process):
+        p.error("--max-nproc-per-node lets the job grow in process on its one machine: it needs --nnodes 1 and "
+                "in-process recovery (no --no-in-process).")
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} is outside [0, {args.nnodes}).")
     if args.spares == "auto":

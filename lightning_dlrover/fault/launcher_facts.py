@@ -1,6 +1,7 @@
 """What a strategy asks of its launcher, answered through :class:`~lightning_dlrover.fault.FaultManager` (the one object
 a strategy talks to): the process group's backend, whether in-process recovery is on, this node's directory, a
-replacement's state (joining, its memory reserve) and the sharding plan replacements read.
+replacement's state (joining, its memory reserve), the sharding plan replacements read and how DDP averages over a
+world group whose size changes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor
 from lightning_dlrover.fault.coding import reserve
 from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.fault.inplace import protocol as inplace
+from lightning_dlrover.fault.inplace.process_group import use_live_size
 from lightning_dlrover.fault.restart.spill import ensure_private_dir, spill_dir
 
 Plan = TypeVar("Plan")
@@ -75,3 +77,9 @@ class LauncherFacts:
     def shared_plan(compute: Callable[[], Plan], global_rank: int, before_reading: Callable[[], None]) -> Plan:
         """The sharding plan, kept in the launcher's store for replacements (see :func:`.inplace.protocol.shared_plan`)."""
         return inplace.shared_plan(compute, global_rank, before_reading)
+
+    @staticmethod
+    def average_over_live_ranks(module: torch.nn.Module) -> None:
+        """Has ``module`` (the dense part's DDP) average its gradients over the live ranks where the world group's size
+        can change (see :func:`.inplace.process_group.use_live_size`); nothing elsewhere."""
+        use_live_size(module)

@@ -97,12 +97,14 @@ class FaultManager(CommitProtocol, LauncherFacts):
         self._left_behind = False
 
     # ------------------------------------------------------------------------------ launchers
-    def before_process_group(self, device_type: str = "cpu") -> None:
-        """On a hot spare: blocks until the launcher hands it a lost rank and becomes that rank's worker. Under
-        ``lightning-dlrover launch`` a rank on a device other than the CPU tells the launcher (replacements then
-        must not share a device: see :meth:`.inplace.supervisor.Supervisor.shared_devices`)."""
+    def before_process_group(self, device_type: str = "cpu") -> membership.Assignment | None:
+        """On a hot spare: blocks until the launcher hands it a lost rank, becomes that rank's worker and returns the
+        assignment (``None`` on a rank). Under ``lightning-dlrover launch`` a rank on a device other than the CPU tells
+        the launcher (replacements then must not share a device: see
+        :meth:`.inplace.supervisor.Supervisor.shared_devices`)."""
         inplace.announce_device(device_type)
         self._assignment = inplace.take_rank_if_spare()
+        return self._assignment
 
     def after_process_group(self, node_rank: int, local_rank: int, local_world_size: int,
                             timeout: timedelta) -> int | None:

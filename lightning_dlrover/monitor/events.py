@@ -94,7 +94,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     # launch --regrow (fault/inplace/grow.py), the launcher: started a process (spare index, spare_pid) to join a job
     # running at world_size of target_world_size ranks; published the plan in which joined_ranks join (the job grows
     # to world_size; pids: {joined rank: pid}); gave the grow up (why: gave_up or would_not_fit; reason: for people)
-    "grow_started": ("spare", "spare_pid", "world_size", "target_world_size"),
+    "grow_started": ("spare", "spare_pid", "world_size", "target_world_size", "asked"),
     "grow_planned": ("generation", "joined_ranks", "world_size", "pids"),
     "grow_abandoned": ("why", "reason"),
     # every rank of a grow in process (survivor: it was running; else it joined), at the committed step it resumes at;

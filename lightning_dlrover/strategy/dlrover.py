@@ -159,7 +159,8 @@ class DLRoverStrategy(DDPStrategy):
         device = self.root_device.type
         check_device(device, FaultManager.transport(self._get_process_group_backend()), self.parity is not None,
                      FaultManager.under_launch())
-        self.fault.before_process_group(device)
+        if self.fault.before_process_group(device) is not None:  # a spare took a rank: a grow's may pass the devices
+            in_process.fit_devices(self)
         super().setup_environment()
         before = self.node_rank
         if self.fault.after_process_group(before, self.local_rank, self.num_processes, self._timeout) is not None:
@@ -306,11 +307,12 @@ class DLRoverStrategy(DDPStrategy):
         embeddings is undone). ``False``, and nothing changes, unless the job recovers in process (``launch``)."""
         return in_process.request_replan(self, pooling_factors, keep_feature_order)
 
-    def shrink_in_process(self, world_size: int) -> str | None:
-        """Shrinks the job to ``world_size`` ranks at a commit boundary without a restart (``launch``, one machine):
-        the highest ranks retire and their state is re-sharded onto the others; call it on every rank at the same
-        step (``ResourceAdvisor(apply=True)`` does). Why it cannot (nothing changes then), or ``None``."""
-        return in_process.request_shrink(self, world_size)
+    def resize_in_process(self, world_size: int) -> str | None:
+        """Shrinks or grows the job to ``world_size`` ranks at a commit boundary without a restart (``launch``, one
+        machine; a grow up to ``--max-nproc-per-node``): the highest ranks retire, or new processes join, and the state
+        is re-sharded; call it on every rank at the same step (``ResourceAdvisor(apply=True)`` does). Why it cannot
+        (nothing changes then), or ``None`` once asked."""
+        return in_process.request_resize(self, world_size)
 
     def training_state(self) -> dict[str, Any]:
         """The full training state: model (sharded tables as ``ShardedTensor``), fused and dense optimizer state."""

@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_dlrover import lightning_glue as glue
+from lightning_dlrover import worker_env
 from lightning_dlrover.fault import VERIFY_RESIZE_ENV, FaultManager, ResizeRequested, Host, ReshardRequested
 from lightning_dlrover.monitor import emit, state_digest
 from lightning_dlrover.strategy import process_exit, shard_model
@@ -121,13 +122,13 @@ class Resharder:
         return describe_plan(strategy._dmp.plan)
 
 
-def request_shrink(strategy: DLRoverStrategy, world_size: int) -> str | None:
-    """Asks the launcher to shrink the job to ``world_size`` ranks in process (see
-    ``DLRoverStrategy.shrink_in_process``); why it cannot, or ``None``."""
+def request_resize(strategy: DLRoverStrategy, world_size: int) -> str | None:
+    """Asks the launcher to shrink or grow the job to ``world_size`` ranks in process (see
+    ``DLRoverStrategy.resize_in_process``); why it cannot, or ``None``."""
     recovery = strategy.fault.in_process_recovery()
     if recovery is None:
         return "the job does not run under lightning-dlrover launch with in-process recovery"
-    return recovery.ask_to_shrink(world_size)
+    return recovery.ask_to_resize(world_size)
 
 
 def request_replan(strategy: DLRoverStrategy, pooling_factors: Mapping[str, float], keep_feature_order: bool) -> bool:
@@ -170,8 +171,17 @@ def renumber(strategy: Any, rank: int, world_size: int) -> None:
     Lightning's ``rank_zero_only``. One machine: the local rank is the rank."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
+    fit_devices(strategy, world_size)
+
+
+def fit_devices(strategy: Any, local_world_size: int | None = None) -> None:
+    """Gives ``strategy`` one device per rank of this machine's ``local_world_size`` (default: ``$LOCAL_WORLD_SIZE``;
+    more than the trainer was built with after a grow past the launch size: CPU, or the next device indices) and sets
+    its ranks anew."""
+    local_world_size = local_world_size or worker_env.local_world_size()
     devices = list(strategy.parallel_devices)
     first = devices[0]
-    devices += [first if first.type == "cpu" else torch.device(first.type, i) for i in range(len(devices), world_size)]
-    strategy.parallel_devices = devices[:world_size]
+    devices += [first if first.type == "cpu" else torch.device(first.type, i)
+                for i in range(len(devices), local_world_size)]
+    strategy.parallel_devices = devices[:local_world_size]
     strategy.set_world_ranks()

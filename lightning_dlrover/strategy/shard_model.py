@@ -34,6 +34,7 @@ def shard(strategy: DLRoverStrategy, module: pl.LightningModule, initialise: boo
     if plan is None:
         plan = plan_for(strategy, module, dist.get_world_size())
     dmp = distribute(module, plan, strategy.root_device, initialise=initialise and not strategy.fault.joining())
+    strategy.fault.average_over_live_ranks(torchrec_glue.dmp_wrapped_module(dmp))  # (room to grow, or shrunk)
     _orders[strategy] = torchrec_glue.pooled_key_order(module)
     rank_zero_info(f"DLRoverStrategy: {describe_plan(plan)}")
     return dmp

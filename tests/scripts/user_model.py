@@ -207,18 +207,24 @@ class ReplanAt(pl.Callback):
             assert trainer.strategy.replan_in_process(self.pooling_factors)
 
 
-class ShrinkAt(pl.Callback):
-    """At the end of step ``step`` (every rank): asks the strategy to shrink the job to ``world_size`` ranks in process,
-    as ``ResourceAdvisor(apply=True)`` does when fewer ranks are better; prints why it could not."""
+class ResizeAt(pl.Callback):
+    """At the end of step ``step`` (every rank): asks the strategy to shrink or grow the job to ``world_size`` ranks in
+    process, as ``ResourceAdvisor(apply=True)`` does when fewer or more ranks are better; prints why it could not."""
 
-    def __init__(self, step: int, world_size: int) -> None:
-        self.step, self.world_size = step, world_size
+    def __init__(self, step: int, world_size: int, slow_s: float = 0.0) -> None:
+        self.step, self.world_size, self.slow_s, self.growing = step, world_size, slow_s, False
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self.growing = self.growing and trainer.world_size < self.world_size
+        if self.growing:  # (--slow-while-short: the job lasts until the new ranks joined, on a loaded machine too)
+            time.sleep(self.slow_s)
 
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_step == self.step:
-            why = trainer.strategy.shrink_in_process(self.world_size)
+            why = trainer.strategy.resize_in_process(self.world_size)
             if why is not None:
-                print(f"rank {trainer.global_rank}: no shrink: {why}", flush=True)
+                print(f"rank {trainer.global_rank}: no resize: {why}", flush=True)
+            self.growing = why is None and self.world_size > trainer.world_size
 
 
 def main() -> None:
@@ -240,10 +246,11 @@ def main() -> None:
                         help="re-plan the tables in process after STEP, with t0 and t2 (both on rank 0 at first) 20x hotter than the others")
     parser.add_argument("--advisor-ranks", type=int, default=0, metavar="N",
                         help="a ResourceAdvisor that applies its advice, searching N ranks only (cost objective)")
-    parser.add_argument("--shrink-at", action="append", default=[], metavar="STEP:WORLD",
-                        help="ask to shrink the job to WORLD ranks in process after STEP (repeatable)")
+    parser.add_argument("--resize-at", action="append", default=[], metavar="STEP:WORLD",
+                        help="ask to shrink or grow the job to WORLD ranks in process after STEP (repeatable)")
     parser.add_argument("--slow-while-short", type=float, default=0.0, metavar="S",
-                        help="sleep S seconds per step while the job runs below its launch world size")
+                        help="sleep S seconds per step while the job runs below its launch world size, or below the "
+                             "size a --resize-at grow asked for")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--async-ckpt", nargs="?", const=True, default=False, choices=[True, "precopy"],
                         help="DLRoverStrategy(async_checkpoint=True), or ='precopy'")
@@ -265,7 +272,7 @@ def main() -> None:
         callbacks.append(ResourceAdvisor(profile_steps=6, probe_steps=3, settle_steps=1, apply=True, history=None,
                                          report_dir=os.path.join(args.root, "advisor"),
                                          **(cheaper if args.advisor_ranks else {})))
-    callbacks += [ShrinkAt(*map(int, at.split(":"))) for at in args.shrink_at]
+    callbacks += [ResizeAt(*map(int, at.split(":")), args.slow_while_short) for at in args.resize_at]
     if args.replan_at:
         callbacks.append(ReplanAt(args.replan_at, {"t0": 20.0, "t2": 20.0}))
     if args.ckpt_every:

@@ -1,5 +1,6 @@
-"""The launcher's side of a grow in process (``launch --regrow``): after a shrink, the job grows back to its launch size
-without a restart.
+"""The launcher's side of a grow in process: after a shrink, the job grows back to its launch size (``launch --regrow``),
+or it grows to the size it asked for (``DLRoverStrategy.resize_in_process``, up to ``launch --max-nproc-per-node``
+ranks), without a restart.
 
 The survivors of a shrink train on at once; meanwhile the launcher starts a process of the same program as a spare
 (forked from its warm zygote, or a fresh interpreter) at normal priority. Once that spare waits set up (``waiting/<i>``
@@ -8,7 +9,9 @@ spare takes the next rank number, and rank 0 sees the request at its next commit
 so every rank stops at the same step boundary. The running ranks then plan the tables for the larger world, rebuild
 the world group with the new rank, shard anew and restore the committed state onto the larger world in their own
 processes; the new rank receives its shards (see :meth:`~.protocol.InProcessRecovery.grow`). One rank joins per
-plan, until the job is back at its launch size (the world group cannot grow beyond it: its C++ size is fixed).
+plan, until the job is at its target size: the launch size, or the size it asked for. The world group cannot grow
+beyond its capacity (its C++ size is fixed when it is built): the launch size, or ``--max-nproc-per-node`` ranks.
+A shrink the job asked for sets the target to its smaller size (``--regrow`` does not undo it).
 
 The edges: a loss while the spare waits is covered by it as by any hot spare (the job is then no longer short); a
 spare that dies before it joins is started again once (then the launcher gives up, with ``grow_abandoned``); a loss
@@ -40,12 +43,22 @@ GAVE_UP = "gave_up"  # ``why`` of a ``grow_abandoned`` but for memory: spares th
 
 @dataclass
 class Regrow:
-    """One machine's grow back to the launch size (``launch --regrow``), advanced by :meth:`tick`."""
+    """One machine's grow to its target size (after a shrink with ``launch --regrow``, or asked for by the job),
+    advanced by :meth:`tick`."""
 
     spare: Worker | None = None  # started for the grow, not yet handed a rank
     joining: Worker | None = None  # handed the new rank; the job has not restored at the larger size yet
     deaths: int = 0
     abandoned: bool = False
+    target: int = 0  # the world size to grow to (0: the launch size)
+    asked: bool = False  # the job asked for a grow it has not reached (else only ``--regrow`` grows)
+
+    def ask(self, sup: Supervisor, world_size: int) -> None:
+        """The job asked to grow to ``world_size`` ranks (``asked: True``) or shrink to it (``False``, after its shrink
+        plan): the target from now on, also for ``--regrow``; a grow given up before is tried again."""
+        self.target, self.asked = world_size, world_size > sup.live_world
+        if self.asked:
+            self.abandoned, self.deaths = False, 0
 
     def tick(self, sup: Supervisor, recovering: int | None) -> int | None:
         """One look, from the supervisor's loop: starts the spare after a shrink, publishes the grow plan once it
@@ -58,14 +71,16 @@ class Regrow:
             self.deaths += died
             if self.deaths >= MAX_SPARE_DEATHS:
                 self.abandon(f"the process started to join died {self.deaths} times before it joined")
-        if (not sup.args.regrow or self.abandoned or sup.live_world >= sup.world_size or sup._finished
+        target = self.target or sup.world_size
+        self.asked = self.asked and sup.live_world < target
+        if (not (sup.args.regrow or self.asked) or self.abandoned or sup.live_world >= target or sup._finished
                 or self.joining is not None):
             return None
         if self.spare is None:
             # it sets up its trainer and model before it waits: on the core the lost rank left, not in the grow's pause
             self.spare = sup.spawn(None, 0, extra_env={SETUP_ENV: "early"})
             emit("grow_started", spare=self.spare.spare, spare_pid=self.spare.process.pid, world_size=sup.live_world,
-                 target_world_size=sup.world_size, message=f"the job runs at {sup.live_world} of {sup.world_size} "
+                 target_world_size=target, asked=self.asked, message=f"the job runs at {sup.live_world} of {target} "
                  f"ranks: started a process (pid {self.spare.process.pid}) to join it once it is set up")
             return None
         if recovering is not None or not membership.is_waiting(sup.store, sup.restarts, self.spare.spare):
@@ -94,7 +109,7 @@ class Regrow:
         size."""
         if not self.abandoned:
             self.abandoned = True
-            emit("grow_abandoned", why=why, reason=message, message=f"not growing the job back: {message}")
+            emit("grow_abandoned", why=why, reason=message, message=f"not growing the job: {message}")
 
     def finished_without(self, ranks: list[Worker]) -> bool:
         """Whether every one of ``ranks`` finished but the rank handed to a joining process, which the others never took

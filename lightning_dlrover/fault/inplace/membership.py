@@ -10,8 +10,8 @@ Keys (all under ``lightning_dlrover/<launch>/``, ``<launch>`` counting the launc
   ``ready/<g>/<rank>``: the replacement is connecting generation ``g``; ``rank/<r>``: ``host:pid`` holding ``r``.
 - ``generation``: the newest communicator generation; ``plan/<g>``: the :class:`Plan` that starts
   generation ``g`` (JSON), written by the launcher that saw the loss (or that resizes the job: then also
-  ``resize/<g>``, which rank 0 of generation ``g - 1`` looks for at each commit). ``shrink_asked/<g>``: the world size
-  the ranks of generation ``g`` asked the launcher to shrink to.
+  ``resize/<g>``, which rank 0 of generation ``g - 1`` looks for at each commit). ``resize_asked/<g>``: the world size
+  the ranks of generation ``g`` asked the launcher to shrink or grow to.
 - ``device``: the device type of the job's ranks when it is not the CPU (``"cuda"``), written by the ranks; a
   launcher then hands a lost rank to a spare only where the rank's device slot is free (:mod:`.supervisor`).
 - ``committed/<g>``: the first step the ranks committed in generation ``g`` (written once per generation by each
@@ -72,7 +72,7 @@ class Plan:
     world_size: int | None = None
     refused: str | None = None  # why the launcher refused this shrink (a ``shrink_refused`` ``why``): no one goes on
     grow: bool = False  # the live ranks keep their numbers and ``replacements`` join them at ``world_size`` ranks
-    asked: bool = False  # a shrink the job asked for (:func:`ask_to_shrink`): the ``lost`` ranks are alive and leave
+    asked: bool = False  # a shrink the job asked for (:func:`ask_to_resize`): the ``lost`` ranks are alive and leave
 
     @property
     def covered(self) -> bool:
@@ -110,13 +110,12 @@ def is_joining() -> bool:
 def become(assignment: Assignment) -> None:
     """Makes this spare process the worker ``assignment`` names (the environment Lightning and
     ``init_process_group`` read), joining at generation ``assignment.generation``."""
-    local_rank = assignment.local_rank
-    if local_rank is None:
-        local_rank = assignment.rank % worker_env.local_world_size()
-    os.environ.update(
-        RANK=str(assignment.rank), LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(assignment.world_size), **{JOINING_ENV: "1", GENERATION_ENV: str(assignment.generation)},
-    )
+    local = worker_env.local_world_size()
+    if local == int(os.environ.get("WORLD_SIZE", "0")):  # one machine: its ranks are the world's (a grow may pass it)
+        local = assignment.world_size
+    local_rank = assignment.rank % local if assignment.local_rank is None else assignment.local_rank
+    os.environ.update(RANK=str(assignment.rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(assignment.world_size),
+                      LOCAL_WORLD_SIZE=str(local), **{JOINING_ENV: "1", GENERATION_ENV: str(assignment.generation)})
 
 
 def joined() -> None:
@@ -247,7 +246,7 @@ def publish_shrink_plan(store: Store, launch: int, lost: list[int], world_size: 
     """Starts a new generation of launch ``launch`` in which the survivors of a world of ``world_size`` go on without
     ``lost`` (no spare takes them) and publishes the plan for the survivors; ``refused``: the launcher refused the
     shrink for that reason, and the survivors leave for the restart path instead. ``asked``: the job asked for it
-    (:func:`ask_to_shrink`): the ``lost`` ranks retire, and the ranks run the plan at their next commit
+    (:func:`ask_to_resize`): the ``lost`` ranks retire, and the ranks run the plan at their next commit
     (:func:`resize_requested`)."""
     generation = int(store.add(PREFIX + f"{launch}/generation", 1))
     plan = Plan(generation, sorted(lost), {}, time.time(), world_size - len(set(lost)), refused, asked=asked)
@@ -257,27 +256,27 @@ def publish_shrink_plan(store: Store, launch: int, lost: list[int], world_size: 
     return plan
 
 
-def ask_to_shrink(store: Store, launch: int, generation: int, world_size: int) -> None:
-    """Rank 0 of ``generation`` asks the launcher to shrink the job to ``world_size`` ranks (:mod:`.retire`)."""
-    _set(store, f"{launch}/shrink_asked/{generation}", str(world_size))
+def ask_to_resize(store: Store, launch: int, generation: int, world_size: int) -> None:
+    """Rank 0 of ``generation`` asks the launcher to shrink or grow the job to ``world_size`` ranks (:mod:`.retire`)."""
+    _set(store, f"{launch}/resize_asked/{generation}", str(world_size))
 
 
-def shrink_asked(store: Store, launch: int) -> tuple[int, int] | None:
-    """On the launcher: ``(generation, world size)`` when the ranks of the current generation asked to shrink
-    (:func:`ask_to_shrink`), else ``None`` (two look-ups)."""
+def resize_asked(store: Store, launch: int) -> tuple[int, int] | None:
+    """On the launcher: ``(generation, world size)`` when the ranks of the current generation asked to shrink or grow
+    (:func:`ask_to_resize`), else ``None`` (two look-ups)."""
     generation = int(store.add(PREFIX + f"{launch}/generation", 0))
-    key = f"{launch}/shrink_asked/{generation}"
+    key = f"{launch}/resize_asked/{generation}"
     return (generation, int(_get(store, key))) if store.check([PREFIX + key]) else None
 
 
 def publish_grow_plan(store: Store, launch: int, world_size: int, spares: dict[int, int]) -> Plan:
     """Starts a new generation of launch ``launch`` in which ``spares`` (``new rank -> spare index``) join the ranks
-    of a world of ``world_size`` (who keep their numbers), assigns the spares, publishes the plan and asks the ranks to
-    grow at their next commit (:func:`resize_requested`)."""
+    of a world of ``world_size`` on one machine (who keep their numbers; a new rank's device slot is its number),
+    assigns the spares, publishes the plan and asks the ranks to grow at their next commit (:func:`resize_requested`)."""
     generation = int(store.add(PREFIX + f"{launch}/generation", 1))
     now, grown = time.time(), world_size + len(spares)
     for rank, spare in spares.items():
-        _set(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, grown, generation, now)))
+        _set(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, grown, generation, now, rank)))
     plan = Plan(generation, [], dict(spares), now, grown, grow=True)
     _set(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {str(k): v for k, v in spares.items()}})
     _set(store, f"{launch}/resize/{generation}", str(grown))

@@ -6,14 +6,16 @@ group. :class:`ReconfigurableGroup` is that world group for the job's whole life
 an inner ``ProcessGroupGloo``, and :meth:`ReconfigurableGroup.reconfigure` swaps the inner group for one on
 a fresh store prefix: with the same rank and world size when a replacement process takes the lost rank's number,
 with a new rank and a smaller world size when the survivors go on without the lost ranks (a shrink), or with new
-processes up to the launch's world size (a grow).
+processes up to its :attr:`~ReconfigurableGroup.capacity` (a grow: the launch's world size, or ``launch
+--max-nproc-per-node``'s ranks, :data:`MAX_WORLD_ENV`).
 
-A shrink changes what the group reports from Python (``rank()``, ``size()``, and so ``dist.get_rank()``,
+A shrink or grow changes what the group reports from Python (``rank()``, ``size()``, and so ``dist.get_rank()``,
 ``dist.get_world_size()``, TorchRec's ``ShardingEnv.from_process_group``) and torch's record of the world's ranks.
 The C++ ``ProcessGroup`` keeps the rank and size it was constructed with (``const`` members): C++ readers of them
-see the old values. C++ callers of the collectives reach the Python methods here, and an all-gather sized by the old
-world is cut to the live one (DDP's parameter check); DDP's reducer divides summed gradients by ``getSize()``, and
-:func:`divide_by_live_size` is the communication hook that divides by the live size instead.
+see those values. The C++ size is therefore the capacity, the largest world the job may grow to, from the start. C++
+callers of the collectives reach the Python methods here, and an all-gather sized by the capacity is cut to the live
+world (DDP's parameter check); DDP's reducer divides summed gradients by ``getSize()``, and :func:`use_live_size`
+gives a DDP module the communication hook that divides by the live size instead (:func:`divide_by_live_size`).
 
 While a replacement process builds its trainer and model it is *joining*: its collectives are answered
 locally as if every rank held its own values (Lightning's set-up barriers and broadcasts, DDP's parameter
@@ -49,6 +51,8 @@ from lightning_dlrover.worker_env import restart_count
 
 BACKEND = "dlrover_gloo"
 """Name of the reconfigurable backend for ``init_process_group`` (``DLRoverStrategy(process_group_backend=...)``)."""
+#: The most ranks the job may grow to in process (``launch --max-nproc-per-node``, one machine; default: its size).
+MAX_WORLD_ENV = "LIGHTNING_DLROVER_MAX_WORLD_SIZE"
 
 _create_work = torch._C._distributed_c10d._create_work_from_future
 
@@ -62,13 +66,16 @@ class ReconfigurableGroup(dist.ProcessGroup):
         world_size: number of ranks.
         timeout: collective timeout of the inner gloo groups.
         joining: start in the joining state (a replacement building its model).
+        capacity: the largest world size it may grow to (default, and at least: ``world_size``).
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta,
-                 joining: bool = False, generation: int = 0) -> None:
-        super().__init__(rank, world_size)
+                 joining: bool = False, generation: int = 0, capacity: int = 0) -> None:
+        capacity = max(capacity, world_size)
+        super().__init__(rank, capacity)
         self._rank, self._size = rank, world_size  # what Python sees (the C++ members are fixed at construction)
-        self.launch_size = world_size  # the largest world it can grow back to (the C++ size)
+        self.launch_size = world_size  # the size it started with (``launch --regrow`` grows back to it)
+        self.capacity = capacity  # the largest world it can grow to (the C++ size)
         self._store, self._timeout = store, timeout
         #: Full launches of the job before this one (the launcher's restarts): each has its own store keys.
         self.launch = restart_count()
@@ -95,16 +102,16 @@ class ReconfigurableGroup(dist.ProcessGroup):
         blocks until every rank, the replacements included, has called it). Returns the seconds it took.
 
         ``rank`` and ``world_size`` (default: unchanged) renumber this process in a smaller world (a shrink, where
-        the survivors go on without the lost ranks) or a larger one up to :attr:`launch_size` (a grow, where new
+        the survivors go on without the lost ranks) or a larger one up to :attr:`capacity` (a grow, where new
         processes join). Every member must pass the same ``world_size`` and a distinct ``rank`` below it."""
         if generation <= self.generation:
             raise ValueError(f"generation {generation} is not newer than the current {self.generation}.")
         rank = self._rank if rank is None else rank
         world_size = self._size if world_size is None else world_size
-        if not 0 <= rank < world_size or world_size > self.launch_size:
+        if not 0 <= rank < world_size or world_size > self.capacity:
             raise ValueError(f"rank {rank} of world size {world_size}: a reconfigured group's world size is at most "
-                             f"the {self.launch_size} ranks it was launched with (C++ readers keep that size), and each "
-                             "rank is below the new world size.")
+                             f"its capacity of {self.capacity} ranks (C++ readers keep that size; launch "
+                             "--max-nproc-per-node sets it), and each rank is below the new world size.")
         started = time.perf_counter()
         self._inner = None  # a failed peer's group is never used again
         self._rank, self._size = rank, world_size
@@ -171,8 +178,8 @@ class ReconfigurableGroup(dist.ProcessGroup):
         return self._call("allgather_coalesced", lambda: _fill_all(outputs, inputs), outputs, inputs, opts)
 
     def _live_slots(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """``outputs`` cut to the live world size. After a shrink, C++ callers (DDP's parameter check) size them by
-        the world size the group was constructed with; the slots past the live ranks get this rank's own values."""
+        """``outputs`` cut to the live world size. C++ callers (DDP's parameter check) size them by the capacity the
+        group was constructed with; the slots past the live ranks get this rank's own values."""
         if not outputs or len(outputs[0]) <= self._size:
             return outputs
         for slots, value in zip(outputs, inputs):
@@ -224,10 +231,19 @@ def _record_world(group: ReconfigurableGroup) -> None:
         c10d._world.pg_group_ranks[group] = {r: r for r in range(group.size())}
 
 
+def use_live_size(module: torch.nn.Module) -> None:
+    """Gives ``module``, when it is a DDP module on the world group of a job whose live size is not the group's C++
+    size (a shrink, or room to grow), the gradient averaging over the live ranks (:func:`divide_by_live_size`)."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel) and isinstance(group, ReconfigurableGroup) \
+            and group.size() != group.capacity:
+        module.register_comm_hook(group, divide_by_live_size)
+
+
 def divide_by_live_size(group: ReconfigurableGroup, bucket: dist.GradBucket) -> Future:
     """DDP's default gradient averaging (sum over the ranks, divided by their number) with the number of ranks
-    read from ``group`` now: after a shrink DDP's C++ reducer would divide by the world size the group was
-    constructed with. Register on a DDP module with ``ddp.register_comm_hook(group, divide_by_live_size)``.
+    read from ``group`` now: DDP's C++ reducer would divide by the group's C++ size, its capacity
+    (:func:`use_live_size` registers it: ``ddp.register_comm_hook(group, divide_by_live_size)``).
     It scales by ``1 / size`` before the sum, as the reducer does, so the gradients are bitwise the same."""
     tensor = bucket.buffer()
     tensor.mul_(1.0 / group.size())
@@ -301,7 +317,8 @@ def register() -> None:
             mark_started(membership.connect(), restart_count(), options.group_rank)
             membership.wait_for_ranks(options.store, restart_count(), options.group_rank, options.group_size)
         group = ReconfigurableGroup(options.store, options.group_rank, options.group_size, options.timeout,
-                                    joining=joining, generation=generation)
+                                    joining=joining, generation=generation,
+                                    capacity=int(os.environ.get(MAX_WORLD_ENV, "0") or 0))
         group._name = options.group_id
         group._set_group_name(options.group_id)  # DeviceMesh (used by TorchRec) looks groups up by name
         return group

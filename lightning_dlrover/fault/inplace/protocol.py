@@ -23,9 +23,10 @@ With no spare and none wanted (``launch --spares 0 --no-cold-start``) the plan i
 survivors go on at the smaller world size in their own processes (:mod:`.shrink`; the strategy's ``resharder`` does it).
 With ``launch --regrow`` the launcher then starts a process in the background and, once it waits ready, publishes a
 *grow* plan: the ranks learn it in a commit's vote, so all of them stop at the same step boundary, and the new process
-joins them at the larger world size (:meth:`InProcessRecovery.grow`). A job can ask for a shrink itself
-(:meth:`InProcessRecovery.ask_to_shrink`, e.g. the advisor's fewer ranks): the launcher answers with a shrink plan
-the ranks learn the same way; the highest ranks retire and the others shrink as after a loss (:mod:`.shrink`).
+joins them at the larger world size (:meth:`InProcessRecovery.grow`). A job can ask for a shrink or a grow itself
+(:meth:`InProcessRecovery.ask_to_resize`, e.g. the advisor's ranks per machine): the launcher answers with a shrink plan
+the ranks learn the same way (the highest ranks retire and the others shrink as after a loss, :mod:`.shrink`), or with
+grow plans, one new process at a time, up to ``launch --max-nproc-per-node`` ranks (:mod:`.grow`).
 """
 
 from __future__ import annotations
@@ -37,16 +38,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dlrover.fault.host import Host
 from lightning_dlrover.fault.inplace import membership, retire, shrink, spare
-from lightning_dlrover.fault.inplace.process_group import BACKEND, ReconfigurableGroup, divide_by_live_size, register
+from lightning_dlrover.fault.inplace.process_group import BACKEND, ReconfigurableGroup, register
 from lightning_dlrover.fault.report import RecoveryReport, ReshardRequested, ResizeRequested
 from lightning_dlrover.fault.restart.renumber import survivor_ranks
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor import emit
-from lightning_dlrover.torchrec_glue import dmp_wrapped_module
 from lightning_dlrover.worker_env import restart_count
 
 Plan = TypeVar("Plan")
@@ -182,7 +181,7 @@ class InProcessRecovery:
         #: afterwards. ``None``: shrink plans are refused.
         self.resharder: Resharder | None = None
         self.resized = False  # this process took part in a grow or re-shard (running or joining) in its last recovery
-        self.shrink_asked = False  # this job asked the launcher for a shrink it has not run yet
+        self.resize_asked: int | None = None  # the world size this job asked the launcher for and has not reached
         #: Set by the strategy: ends this process at once, a rank retired by a shrink the job asked for.
         self.leave: Callable[[], None] | None = None
         self._regrow = os.environ.get(membership.REGROW_ENV) == "1"
@@ -195,21 +194,22 @@ class InProcessRecovery:
         group = self._group
         if group is None or self._store is None or group.rank() != 0 or group.joining:
             return False
-        if not (self.shrink_asked or (self._regrow and group.size() < group.launch_size)):
+        if not (self.resize_asked is not None or (self._regrow and group.size() < group.launch_size)):
             return False
         try:
             return membership.resize_requested(self._store, restart_count(), group.generation)
         except RuntimeError:  # the launcher's store is gone: nobody can join any more
             return False
 
-    def ask_to_shrink(self, world_size: int) -> str | None:
-        """Asks the launcher to shrink the job to ``world_size`` ranks in process (every rank, at the same step): the
-        highest ranks retire at a commit boundary once it publishes the plan. Why it cannot, or ``None``."""
+    def ask_to_resize(self, world_size: int) -> str | None:
+        """Asks the launcher to shrink or grow the job to ``world_size`` ranks in process (every rank, at the same
+        step): the highest ranks retire, or new processes join, at a commit boundary once it publishes the plan. Why it
+        cannot, or ``None``."""
         parity = self.manager.parity
         why = retire.ask(self._store, self._group, world_size, (parity.k, parity.r) if parity else None,
                          self.resharder is not None and self.leave is not None)
         if why is None:
-            self.shrink_asked = True
+            self.resize_asked = world_size
         return why
 
     def committed(self, step: int) -> None:
@@ -244,7 +244,8 @@ class InProcessRecovery:
             emit("in_process_refused", why="no recovery plan from the launcher", error=str(error)[:200],
                  message=f"rank {host.global_rank}: {type(error).__name__} and no rank reported lost: not recovering in process")
             return None
-        self.shrink_asked = False
+        if plan.refused or plan.world_size == self.resize_asked:  # (a grow by several ranks: one plan per rank)
+            self.resize_asked = None
         if plan.asked and host.global_rank in plan.lost and isinstance(error, ResizeRequested):
             retire.retire(host, plan, self.manager.committed_step, self.leave)  # (does not return)
         if host.global_rank in plan.lost or plan.refused:
@@ -289,7 +290,7 @@ class InProcessRecovery:
             self.times.connected_at = time.time()
             self.manager.reach("during_recovery", self.manager.committed_step)
             self.resharder.reshard(rank, plan.world_size)
-            report = self._restore_resized(host, group, spills)
+            report = self._restore_resized(host, spills)
         except Exception as err:  # noqa: BLE001 - half-way: the restart path takes over from the state before it
             self.manager.write_left_behind(spills)
             shrink.refuse(world_size, plan.lost, shrink.FAILED, f"it failed half-way on rank {old_rank} "
@@ -306,11 +307,9 @@ class InProcessRecovery:
              f"{report.step}; {report}" if host.is_global_zero else None)
         return report
 
-    def _restore_resized(self, host: Host, group: ReconfigurableGroup, spills: list[Any]) -> RecoveryReport:
-        """After a re-shard for a new world size: restores the committed state from ``spills`` (collective)."""
-        wrapped = dmp_wrapped_module(host.model)  # the dense part's DDP divides by the group's first size
-        if isinstance(wrapped, DistributedDataParallel):
-            wrapped.register_comm_hook(group, divide_by_live_size)
+    def _restore_resized(self, host: Host, spills: list[Any]) -> RecoveryReport:
+        """After a re-shard (its DDP averaging over the live ranks: the strategy's sharding gives it
+        ``process_group.use_live_size``): restores the committed state from ``spills`` (collective)."""
         return self.manager.restore_in_place(host, spills)
 
     def grow(self, host: Host, plan: membership.Plan) -> RecoveryReport | None:
@@ -331,7 +330,7 @@ class InProcessRecovery:
             self.times.connected_at = time.time()
             self.manager.reach("during_recovery", self.manager.committed_step)
             self.resharder.reshard(host.global_rank, plan.world_size, sharding)
-            report = self._restore_resized(host, group, spills)
+            report = self._restore_resized(host, spills)
         except Exception as err:  # noqa: BLE001 - half-way: the restart path takes over from the state before it
             self.manager.write_left_behind(spills)
             emit("grow_failed", step=self.manager.committed_step, generation=plan.generation,
@@ -350,7 +349,7 @@ class InProcessRecovery:
         spills = self.manager.leave_behind()
         try:
             placement = self.resharder.reshard(host.global_rank, host.world_size)
-            report = self._restore_resized(host, group, spills)
+            report = self._restore_resized(host, spills)
         except Exception as err:  # noqa: BLE001 - half-way: the restart path takes over from the state before it
             self.manager.write_left_behind(spills)
             emit("reshard_failed", step=self.manager.committed_step, error=f"{type(err).__name__}: {str(err)[:200]}",
@@ -389,7 +388,7 @@ class InProcessRecovery:
         plan = membership.wait_for_plan(self._store, restart_count(), group.generation) if self._store else None
         if plan is not None and plan.grow:  # the running ranks re-shard their committed state onto this one too
             self.resized = True
-            report = self._restore_resized(host, group, [])
+            report = self._restore_resized(host, [])
             return self._grown(host, plan, report.world_size, report, survivor=False)
         return self._restore(host, survivor=False, lost=plan.lost if plan is not None else [host.global_rank])
 

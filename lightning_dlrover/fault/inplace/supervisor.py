@@ -91,7 +91,8 @@ class Supervisor:
         env.update(
             WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(a.nproc_per_node), GROUP_RANK=str(a.node_rank),
             MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True",
-            **{worker_env.RUN_ID: self.run_id, membership.STORE_ENV: a.master, membership.REGROW_ENV: str(int(a.regrow))},
+            **{worker_env.RUN_ID: self.run_id, membership.STORE_ENV: a.master, membership.REGROW_ENV: str(int(a.regrow)),
+               process_group.MAX_WORLD_ENV: str(max(a.max_nproc_per_node, a.nproc_per_node) * a.nnodes)},
         )  # fmt: skip
         if "OMP_NUM_THREADS" not in os.environ and a.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
             env["OMP_NUM_THREADS"] = "1"  # (read when OpenMP and OpenBLAS load: the zygote must import with it)
@@ -163,7 +164,7 @@ class Supervisor:
         for local in range(a.nproc_per_node):
             self.spawn(first + local, local)
         self._owed, self._gate, self.live_world = a.spares, 0, self.world_size  # spares: after the first commit
-        self.asked_answered = -1
+        self.asked_answered, self.regrow = -1, Regrow()  # (a full restart starts at the launch size)
         self.publish_ranks()
 
     def start_spares(self) -> None:
@@ -264,7 +265,7 @@ class Supervisor:
             spare.rank = rank
             replacements[rank] = spare.spare
             membership.publish_worker(self.store, self.restarts, rank, socket.gethostname(), spare.process.pid)
-        plan = membership.publish_plan(self.store, self.restarts, sorted(replacements), self.world_size, replacements,
+        plan = membership.publish_plan(self.store, self.restarts, sorted(replacements), self.live_world, replacements,
                                        slots)
         self.publish_ranks()
         # the pool of hot spares is refilled after the recovered job's first committed step (start_spares)

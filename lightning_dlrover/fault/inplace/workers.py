@@ -28,6 +28,7 @@ class SupervisorConfig:
     cold_start: bool = True  # no spare left: a new process takes a lost rank (False: the survivors shrink, one machine)
     memory_limit_bytes: int | None = None  # the job's memory on this machine (None: the machine's), for a shrink
     regrow: bool = False  # after a shrink, start a process and grow back to the launch size in process (:mod:`.grow`)
+    max_nproc_per_node: int = 0  # the most ranks this machine may run after grows the job asks for (0: nproc_per_node)
 
 
 @dataclass
