@@ -22,6 +22,10 @@ Same job as ``bench/bench_recovery.py`` (the chaos config with 26 tables of ``--
   (``bench/replan_at.py``, what ``ResourceAdvisor(apply=True)`` does when fewer ranks are better): the launcher
   publishes the plan, the highest rank retires at the next commit and the others shrink in process. Its row as the
   re-plan's; ``detect`` from the launcher's plan to that commit boundary;
+- ``in-process join``: no fault; the job is launched with room for one rank more (``launch --max-nproc-per-node``) and
+  after step ``--at-step`` every rank asks to grow to ``--ranks + 1`` (what ``ResourceAdvisor(apply=True)`` does when
+  more ranks are better): the launcher starts a process, and once it is set up the new rank joins at a commit. Its
+  row as the grow's (``--grow-steps`` steps after the request: the new process sets up meanwhile);
 - ``dcp``, ``parity restart``: ``bench_recovery.measure`` in the same run (2 ``torchrun`` agents x 2 ranks, node
   0 killed, every worker restarted; a checkpoint at the kill step for ``dcp``, spills for ``parity``).
 
@@ -49,6 +53,7 @@ the start and at the end: other jobs on the machine move every number.
     PYTHONPATH=. python bench/bench_in_process.py --methods "in-process grow" dcp --rows 20000 100000 --base-rows 0
     PYTHONPATH=. python bench/bench_in_process.py --methods "in-process replan" --rows 20000 100000 --base-rows 0
     PYTHONPATH=. python bench/bench_in_process.py --methods "in-process retire" dcp --rows 20000 100000 --base-rows 0
+    PYTHONPATH=. python bench/bench_in_process.py --methods "in-process join" dcp --rows 20000 100000 --base-rows 0
 """
 
 from __future__ import annotations
@@ -115,15 +120,16 @@ def free_port() -> int:
 
 
 def asked(rows: int, args: argparse.Namespace, workdir: Path, what: str) -> dict[str, float]:
-    """The re-plan or retire drill (see the module docs); timings from its events."""
-    config_path = bench_recovery.job_config(rows, args.dim, "parity", args.at_step, args.at_step + args.after_steps,
-                                            workdir)
+    """The re-plan, retire or join drill (see the module docs); timings from its events."""
+    end = args.at_step + (args.grow_steps if what == "join" else args.after_steps)
+    config_path = bench_recovery.job_config(rows, args.dim, "parity", args.at_step, end, workdir)
     config = yaml.safe_load(config_path.read_text())
     hot = {f"t_cat_{i}": 20.0 for i in range(0, 26, 4)}
     config["trainer"]["callbacks"].append(
         {"class_path": "replan_at.ReplanAt", "init_args": {"step": args.at_step, "pooling_factors": hot}}
         if what == "replan" else
-        {"class_path": "replan_at.ResizeAt", "init_args": {"step": args.at_step, "world_size": args.ranks - 1}})
+        {"class_path": "replan_at.ResizeAt",
+         "init_args": {"step": args.at_step, "world_size": args.ranks + (1 if what == "join" else -1)}})
     config_path.write_text(yaml.safe_dump(config))
     run_dir = workdir / f"{what}-{rows}"
     run_dir.mkdir()
@@ -131,12 +137,14 @@ def asked(rows: int, args: argparse.Namespace, workdir: Path, what: str) -> dict
     env = {**os.environ, "LIGHTNING_DLROVER_EVENTS": str(events_path),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ["PYTHONPATH"]])}
     command = [sys.executable, "-m", "lightning_dlrover", "launch", "--nproc-per-node", str(args.ranks), "--spares", "0",
+               "--max-nproc-per-node", str(args.ranks + (what == "join")),
                "--master", f"127.0.0.1:{free_port()}", "--", "-m", "lightning_dlrover", "fit", "--config",
                str(config_path), f"--trainer.default_root_dir={run_dir}"]
     with open(run_dir / "launch.log", "w") as log:
         code = subprocess.run(command, env=env, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
     events = read_events([events_path])
-    done = [e for e in events if e.kind == ("resharded_in_process" if what == "replan" else "shrunk_in_process")]
+    kind = {"replan": "resharded_in_process", "retire": "shrunk_in_process", "join": "grown_in_process"}[what]
+    done = [e for e in events if e.kind == kind]
     if code != 0 or not done:
         sys.exit(f"the {what} drill ({rows} rows) did not change the job in process; see {run_dir}")
     boundary = min(e.fields["failed_at"] for e in done)
@@ -144,10 +152,11 @@ def asked(rows: int, args: argparse.Namespace, workdir: Path, what: str) -> dict
     resumed = next(e for e in events if e.kind == "resumed" and e.time >= restored).time
     if what == "replan":
         print(f"{rows} rows, re-planned: {done[0].fields['sharding']}", flush=True)
-    asked_at = next((e.time for e in events if e.kind == "shrink_planned"), boundary)  # (the launcher's plan)
+    asked_at = next((e.time for e in events if e.kind in ("shrink_planned", "grow_planned")), boundary)  # the plan
+    started = next((e.time for e in events if e.kind == "grow_started"), asked_at)
     return {"lost_bytes": float("nan"), "detect": max(boundary - asked_at, 0.0), "replacement": 0.0,
             "decode": max(e.fields["decode_s"] + e.fields["reshard_s"] for e in done), "restore": restored - boundary,
-            "first_step": resumed - restored, "total": resumed - boundary}
+            "first_step": resumed - restored, "total": resumed - boundary, "set_up": asked_at - started}
 
 
 def in_process(rows: int, args: argparse.Namespace, workdir: Path, spares: int, shrink: bool = False,
@@ -260,7 +269,7 @@ def main() -> None:
         for rows in args.rows:
             results = {}
             for method in args.methods:
-                if method in ("in-process replan", "in-process retire"):
+                if method in ("in-process replan", "in-process retire", "in-process join"):
                     results[method] = asked(rows, args, Path(tmp), method.split()[-1])
                 elif method.startswith("in-process"):
                     results[method] = in_process(rows, args, Path(tmp), spares=1 if method.endswith("hot") else 0,
@@ -288,8 +297,10 @@ def main() -> None:
     print("restart rows: 'replace' is the restart (workers exit, re-rendezvous, import, build); 'decode' and 'restore' "
           "the restore (decode + re-shard for parity, the checkpoint load for dcp).")
     for rows, results, _ in table:
-        if (g := results.get("in-process grow")) is not None:
-            print(f"in-process grow at {26 * rows * args.dim * 4 / 2**20:.0f} MiB: 'detect' is the wait for the step "
+        for method in ("in-process grow", "in-process join"):
+            if (g := results.get(method)) is None:
+                continue
+            print(f"{method} at {26 * rows * args.dim * 4 / 2**20:.0f} MiB: 'detect' is the wait for the step "
                   f"boundary after the grow plan; 'total' the pause from that boundary (the new process set up in "
                   f"{g['set_up']:.2f} s before it, while the job trained on)")
     base = base or {"total": float("nan")}
