@@ -51,7 +51,8 @@ from lightning_dlrover.strategy.sharding import (
     check_module,
     check_options,
 )
-from lightning_dlrover.strategy.support import check_device, check_parity_optimizers, warn_unresumable_data
+from lightning_dlrover.strategy.support import (check_device, check_no_accumulation, check_parity_optimizers,
+                                                warn_unresumable_data)
 
 log = get_logger(__name__)
 
@@ -192,12 +193,7 @@ class DLRoverStrategy(DDPStrategy):
         a failed job's state under ``torchrun``: see :class:`~lightning_dlrover.fault.FaultManager`)."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported by "
-                "DLRoverStrategy: fused embedding optimizers update the tables in every backward pass. "
-                "Increase the data module's batch size instead."
-            )
+        check_no_accumulation(trainer)
         if not self._started:
             self.parity = self.fault.parity = auto_parity.resolve(self, trainer)
             check_elastic_range(self, trainer)
@@ -398,7 +394,10 @@ class DLRoverStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Releases the accelerator; the model stays sharded for later ``validate``/``test`` calls."""
+        """Ends a ``fit`` whose training loop did not run (it resumed at its last step) as :meth:`on_train_end` does;
+        releases the accelerator; the model stays sharded for later ``validate``/``test`` calls."""
+        if process_exit.train_end_skipped(self.lightning_module):
+            self.on_train_end()
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-_state: dict[str, Any] = {"fit_finished": False, "failed": False, "excepthook": None}
+_state: dict[str, Any] = {"fit_finished": False, "failed": False, "excepthook": None, "train_ended": False}
 
 
 def _destroy_process_group() -> None:
@@ -59,5 +59,22 @@ def failing() -> bool:
 
 
 def fit_finished(multi_process: bool) -> None:
-    """Marks ``fit`` as finished; a single process (a notebook, a test) exits as usual."""
-    _state["fit_finished"] = multi_process
+    """Marks ``fit`` as finished (the strategy's ``on_train_end`` ran); a single process (a notebook, a test) exits as
+    usual."""
+    _state["fit_finished"], _state["train_ended"] = multi_process, True
+
+
+def train_end_skipped(module: Any) -> bool:
+    """At the strategy's teardown: whether the ``fit`` of ``module``'s trainer is returning normally without its
+    training loop having run, so without the strategy's ``on_train_end``: the job resumed at its last step (a restart
+    after its final commit, or a checkpoint of it), and Lightning skips a fit loop that is done. Clears the mark for
+    the next ``fit``."""
+    from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+
+    ended, _state["train_ended"] = _state["train_ended"], False
+    try:
+        trainer = module.trainer if module is not None else None
+    except RuntimeError:  # (a module no trainer holds)
+        return False
+    return (trainer is not None and not ended and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING and trainer.fit_loop.done)

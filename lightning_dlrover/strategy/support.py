@@ -123,3 +123,13 @@ def warn_unresumable_data(trainer: Any) -> None:
             "differ from a fault-free run. To make recovery exact for the data too, return a "
             "torchdata.stateful_dataloader.StatefulDataLoader from train_dataloader() (with an IterableDataset, give "
             "the dataset state_dict() and load_state_dict() as well).")
+
+
+def check_no_accumulation(trainer: Any) -> None:
+    """Refuses gradient accumulation: fused embedding optimizers update the tables in every backward pass."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported by "
+            "DLRoverStrategy: fused embedding optimizers update the tables in every backward pass. "
+            "Increase the data module's batch size instead."
+        )

@@ -187,7 +187,7 @@ def test_chaos_drills_a_shrink_and_a_grow_back_in_process_with_our_dlrm(tmp_path
     killed before step 6 with no spare, the survivors shrink to 2 ranks, a new process joins as rank 2; the report
     says both happened, nothing was lost, and the state after the grow equals the committed state before it."""
     summary = drill(str(tmp_path), "--in-process", "--shrink", "--regrow", "--nodes", "1", "--nproc-per-node", "3",
-                    "--kill-rank", "0", "--at-step", "6", "--", "--trainer.max_steps=80")
+                    "--kill-rank", "0", "--at-step", "6", "--", "--trainer.max_steps=300")
     assert summary["recovered"].startswith("yes, shrunk in process from 3 to 2 ranks"), summary
     assert summary["steps lost"] == "0" and summary["job finished"] == "yes", summary
     assert summary["grown in process"].startswith("from 2 to 3 ranks at step"), summary

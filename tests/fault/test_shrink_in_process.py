@@ -100,7 +100,7 @@ def _shrink_worker(rank: int, port: int) -> None:
             exit_rank()  # lost: its peers' next collective fails
         with pytest.raises(RuntimeError):
             dist.all_reduce(torch.tensor([1]), group=dist.group.WORLD)
-        with pytest.raises(ValueError, match="at most the 3 ranks it was launched with"):
+        with pytest.raises(ValueError, match="at most its capacity of 3 ranks"):
             group.reconfigure(1, rank=0, world_size=4)
         new = survivor_ranks(3, [0])[rank]
         group.reconfigure(1, rank=new, world_size=2)

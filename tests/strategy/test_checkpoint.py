@@ -39,6 +39,15 @@ def test_resume_continues_exactly(tmp_path, uninterrupted, backend):
         "no partial checkpoint left behind"
 
 
+def test_a_run_resumed_at_its_last_step_ends_as_a_finished_one(tmp_path, uninterrupted):
+    """Resumed from the checkpoint of its last step (what a restart after the final commit also is), Lightning skips the
+    done fit loop and with it the strategy's ``on_train_end``; the strategy's teardown runs it instead: the final digest
+    is the uninterrupted run's (before: none was printed, and a chaos drill killed there reported a mismatch)."""
+    straight, ckpt = uninterrupted("dcp")
+    resumed = digests(train_forked(tmp_path, "--steps", "16", "--resume", str(ckpt / "epoch=0-step=16.ckpt")).stdout)
+    assert resumed.get("end") == straight["end"], resumed
+
+
 def test_dcp_restores_into_a_larger_world_size(tmp_path, uninterrupted):
     """A dcp checkpoint saved by 2 ranks restores exactly onto 3. The pooled embeddings' key order moved with the plan:
     the job records it, without a warning, since the DLRM reads them by key (a model reading them by position would
