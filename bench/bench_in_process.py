@@ -147,7 +147,7 @@ def asked(rows: int, args: argparse.Namespace, workdir: Path, what: str) -> dict
     done = [e for e in events if e.kind == kind]
     if code != 0 or not done:
         sys.exit(f"the {what} drill ({rows} rows) did not change the job in process; see {run_dir}")
-    boundary = min(e.fields["failed_at"] for e in done)
+    boundary = min(e.fields["failed_at"] for e in done if e.fields["failed_at"] is not None)  # (a joined rank: None)
     restored = max(e.fields["restored_at"] for e in done)
     resumed = next(e for e in events if e.kind == "resumed" and e.time >= restored).time
     if what == "replan":
