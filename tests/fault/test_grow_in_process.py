@@ -181,6 +181,34 @@ def test_the_launcher_grows_only_what_this_machines_memory_can_take(tmp_path, mo
         sock.close()
 
 
+def test_the_launchers_grow_target_is_what_the_job_asked_for(tmp_path, monkeypatch):
+    """With a real ``Supervisor`` and store: after a shrink the job asked for, ``--regrow`` does not grow it back (the
+    asked size is the job's size); without ``--regrow`` nothing grows until the job asks, and a grow it asks for past
+    the launch size (room for 4, launched at 3) starts the process that will join (``grow_started``, ``asked``)."""
+    monkeypatch.setenv(EVENTS_ENV, str(tmp_path / "events.jsonl"))
+    store, sock = serve_store("127.0.0.1:0")
+    master = f"127.0.0.1:{sock.getsockname()[1]}"
+    args = SupervisorConfig(program=["-c", SPARE], nproc_per_node=3, spares=0, master=master, zygote=False,
+                            cold_start=False, regrow=True)
+    shrunk = Supervisor(args, store, "asked-shrink", live_world=2)
+    shrunk.regrow.ask(shrunk, 2)  # (what the launcher does once it published the shrink the job asked for)
+    assert shrunk.regrow.tick(shrunk, None) is None and shrunk.regrow.spare is None
+    roomy = Supervisor(SupervisorConfig(program=["-c", SPARE], nproc_per_node=3, max_nproc_per_node=4, spares=0,
+                                        master=master, zygote=False), store, "asked-grow", live_world=3)
+    try:
+        assert roomy.regrow.tick(roomy, None) is None and roomy.regrow.spare is None  # nothing asked, no --regrow
+        roomy.regrow.ask(roomy, 4)
+        assert roomy.regrow.tick(roomy, None) is None and roomy.regrow.spare is not None
+        (started,) = [e for e in read_events([tmp_path / "events.jsonl"]) if e.kind == "grow_started"]
+        assert started.fields["asked"] and (started.fields["world_size"], started.fields["target_world_size"]) == (3, 4)
+        assert roomy.job_env()["LIGHTNING_DLROVER_MAX_WORLD_SIZE"] == "4"
+    finally:
+        for worker in roomy.workers:
+            worker.process.kill()
+            worker.process.wait()
+        sock.close()
+
+
 @pytest.mark.slow
 def test_chaos_drills_a_shrink_and_a_grow_back_in_process_with_our_dlrm(tmp_path):
     """``chaos --in-process --shrink --regrow`` on the chaos DLRM (``lightning-dlrover fit``, its data module): rank 0
