@@ -79,9 +79,10 @@ def answer(sup: Supervisor, recovering: int | None) -> int | None:
     if recovering is not None:
         return None
     asked = membership.resize_asked(sup.store, sup.restarts)
-    if asked is None or asked[0] <= sup.asked_answered:
+    # (a later request of the same generation for another size is answered too: e.g. after a refusal)
+    if asked is None or asked[0] < sup.asked_answered[0] or asked == sup.asked_answered:
         return None
-    sup.asked_answered, world_size = asked
+    sup.asked_answered, world_size = asked, asked[1]
     if world_size > sup.live_world:
         sup.regrow.ask(sup, world_size)
         return None

@@ -77,7 +77,7 @@ class Supervisor:
     live_world: int = 0  # the world size now (smaller than ``world_size`` after a shrink in process)
     regrow: Regrow = field(default_factory=Regrow)  # back to ``world_size`` after a shrink (``--regrow``)
     retiring: list[tuple[Worker, float]] = field(default_factory=list)  # ranks a shrink retires; since (monotonic)
-    asked_answered: int = -1  # the generation whose shrink request was answered last (:mod:`.retire`)
+    asked_answered: tuple[int, int] = (-1, 0)  # (generation, world size) of the last resize request answered
 
     @property
     def world_size(self) -> int:
@@ -164,7 +164,7 @@ class Supervisor:
         for local in range(a.nproc_per_node):
             self.spawn(first + local, local)
         self._owed, self._gate, self.live_world = a.spares, 0, self.world_size  # spares: after the first commit
-        self.asked_answered, self.regrow = -1, Regrow()  # (a full restart starts at the launch size)
+        self.asked_answered, self.regrow = (-1, 0), Regrow()  # (a full restart starts at the launch size)
         self.publish_ranks()
 
     def start_spares(self) -> None:
