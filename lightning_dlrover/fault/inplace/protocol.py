@@ -290,7 +290,7 @@ class InProcessRecovery:
             self.times.connected_at = time.time()
             self.manager.reach("during_recovery", self.manager.committed_step)
             self.resharder.reshard(rank, plan.world_size)
-            report = self._restore_resized(host, spills)
+            report = self.manager.restore_in_place(host, spills)
         except Exception as err:  # noqa: BLE001 - half-way: the restart path takes over from the state before it
             self.manager.write_left_behind(spills)
             shrink.refuse(world_size, plan.lost, shrink.FAILED, f"it failed half-way on rank {old_rank} "
@@ -306,11 +306,6 @@ class InProcessRecovery:
              message=f"shrunk in process from {world_size} to {plan.world_size} ranks without ranks {plan.lost} at step "
              f"{report.step}; {report}" if host.is_global_zero else None)
         return report
-
-    def _restore_resized(self, host: Host, spills: list[Any]) -> RecoveryReport:
-        """After a re-shard (its DDP averaging over the live ranks: the strategy's sharding gives it
-        ``process_group.use_live_size``): restores the committed state from ``spills`` (collective)."""
-        return self.manager.restore_in_place(host, spills)
 
     def grow(self, host: Host, plan: membership.Plan) -> RecoveryReport | None:
         """On a rank of the running job, at the step boundary of a grow request: the committed state is kept as
@@ -330,7 +325,7 @@ class InProcessRecovery:
             self.times.connected_at = time.time()
             self.manager.reach("during_recovery", self.manager.committed_step)
             self.resharder.reshard(host.global_rank, plan.world_size, sharding)
-            report = self._restore_resized(host, spills)
+            report = self.manager.restore_in_place(host, spills)
         except Exception as err:  # noqa: BLE001 - half-way: the restart path takes over from the state before it
             self.manager.write_left_behind(spills)
             emit("grow_failed", step=self.manager.committed_step, generation=plan.generation,
@@ -349,7 +344,7 @@ class InProcessRecovery:
         spills = self.manager.leave_behind()
         try:
             placement = self.resharder.reshard(host.global_rank, host.world_size)
-            report = self._restore_resized(host, spills)
+            report = self.manager.restore_in_place(host, spills)
         except Exception as err:  # noqa: BLE001 - half-way: the restart path takes over from the state before it
             self.manager.write_left_behind(spills)
             emit("reshard_failed", step=self.manager.committed_step, error=f"{type(err).__name__}: {str(err)[:200]}",
@@ -388,7 +383,7 @@ class InProcessRecovery:
         plan = membership.wait_for_plan(self._store, restart_count(), group.generation) if self._store else None
         if plan is not None and plan.grow:  # the running ranks re-shard their committed state onto this one too
             self.resized = True
-            report = self._restore_resized(host, [])
+            report = self.manager.restore_in_place(host, [])
             return self._grown(host, plan, report.world_size, report, survivor=False)
         return self._restore(host, survivor=False, lost=plan.lost if plan is not None else [host.global_rank])
 
