@@ -214,8 +214,10 @@ def test_chaos_drills_a_shrink_and_a_grow_back_in_process_with_our_dlrm(tmp_path
     """``chaos --in-process --shrink --regrow`` on the chaos DLRM (``lightning-dlrover fit``, its data module): rank 0
     killed before step 6 with no spare, the survivors shrink to 2 ranks, a new process joins as rank 2; the report
     says both happened, nothing was lost, and the state after the grow equals the committed state before it."""
+    # the shrunk job sleeps 0.3 s a step until the new process joined: it lasts for the set-up however fast its steps
+    slow = '{"class_path": "tests.elastic.elastic_job.SlowWhileShort", "init_args": {"seconds": 0.3, "world_size": 3}}'
     summary = drill(str(tmp_path), "--in-process", "--shrink", "--regrow", "--nodes", "1", "--nproc-per-node", "3",
-                    "--kill-rank", "0", "--at-step", "6", "--", "--trainer.max_steps=300")
+                    "--kill-rank", "0", "--at-step", "6", "--", "--trainer.max_steps=40", f"--trainer.callbacks+={slow}")
     assert summary["recovered"].startswith("yes, shrunk in process from 3 to 2 ranks"), summary
     assert summary["steps lost"] == "0" and summary["job finished"] == "yes", summary
     assert summary["grown in process"].startswith("from 2 to 3 ranks at step"), summary
