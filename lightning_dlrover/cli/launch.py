@@ -13,6 +13,11 @@ Example (two machines, two ranks each, one hot spare each)::
         --master 10.0.0.1:29500 -- train.py --config job.yaml
     lightning-dlrover launch --nnodes 2 --node-rank 1 --nproc-per-node 2 --spares 1 \\
         --master 10.0.0.1:29500 -- train.py --config job.yaml
+
+One machine with room to grow: the job starts at 2 ranks and may grow to 4 in process when it asks
+(``DLRoverStrategy.resize_in_process``, e.g. ``ResourceAdvisor(apply=True)``)::
+
+    lightning-dlrover launch --nproc-per-node 2 --max-nproc-per-node 4 -- train.py --config job.yaml
 """
 
 from __future__ import annotations
