@@ -396,8 +396,7 @@ class DLRoverStrategy(DDPStrategy):
     def teardown(self) -> None:
         """Ends a ``fit`` whose training loop did not run (it resumed at its last step) as :meth:`on_train_end` does;
         releases the accelerator; the model stays sharded for later ``validate``/``test`` calls."""
-        if process_exit.train_end_skipped(self.lightning_module):
-            self.on_train_end()
+        process_exit.end_skipped_fit(self.lightning_module, self.on_train_end)
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()

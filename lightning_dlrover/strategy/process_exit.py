@@ -13,9 +13,11 @@ import atexit
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 _state: dict[str, Any] = {"fit_finished": False, "failed": False, "excepthook": None, "train_ended": False}
 
@@ -64,17 +66,16 @@ def fit_finished(multi_process: bool) -> None:
     _state["fit_finished"], _state["train_ended"] = multi_process, True
 
 
-def train_end_skipped(module: Any) -> bool:
-    """At the strategy's teardown: whether the ``fit`` of ``module``'s trainer is returning normally without its
-    training loop having run, so without the strategy's ``on_train_end``: the job resumed at its last step (a restart
-    after its final commit, or a checkpoint of it), and Lightning skips a fit loop that is done. Clears the mark for
-    the next ``fit``."""
-    from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-
-    ended, _state["train_ended"] = _state["train_ended"], False
+def end_skipped_fit(module: Any, end: Callable[[], None]) -> None:
+    """At the strategy's teardown: calls ``end`` (the strategy's ``on_train_end``) when the ``fit`` of ``module``'s
+    trainer is returning normally without its training loop having run: the job resumed at its last step (a restart
+    after its final commit, or a checkpoint of it), and Lightning skips a fit loop that is done. Then clears the mark
+    of an ended fit for the next ``fit`` of this process (``end`` sets it)."""
     try:
         trainer = module.trainer if module is not None else None
     except RuntimeError:  # (a module no trainer holds)
-        return False
-    return (trainer is not None and not ended and trainer.state.fn == TrainerFn.FITTING
-            and trainer.state.status == TrainerStatus.RUNNING and trainer.fit_loop.done)
+        trainer = None
+    if (trainer is not None and not _state["train_ended"] and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING and trainer.fit_loop.done):
+        end()
+    _state["train_ended"] = False
