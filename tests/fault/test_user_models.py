@@ -6,6 +6,8 @@ Every drill must end with the digest of the same job run without a fault; ``step
 runner from the job's events (the last committed step before the kill against the step it resumed at).
 """
 
+import re
+
 import pytest
 
 from tests.conftest import REPO
@@ -66,7 +68,10 @@ def test_coalesced_commits_resume_at_the_last_commit_and_replay_exactly(workdir)
 
 def test_every_rank_killed_at_once_resumes_from_the_newest_checkpoint(workdir):
     summary = user_drill(workdir, "--kill-all", "--at-step", "13")
-    assert summary["recovered"].startswith("from the last checkpoint (The job was restarted but no rank left a usable spill"), summary
+    # Every rank is SIGKILLed at its own step 13. A rank still in step 12's commit when the others died sees its
+    # collective fail first and spills before its kill (a CI run: 3 of 4 lost): beyond the parity either way.
+    assert re.match(r"from the last checkpoint \((The job was restarted but no rank left a usable spill|"
+                    r"[34] of 4 ranks lost their state at step 1[23] )", summary["recovered"]), summary
     assert "epoch=0-step=10.ckpt at step 10)" in summary["recovered"]
     assert summary["last committed step before the kill"] == "13"
     assert summary["steps lost"] == "3"
