@@ -4,10 +4,16 @@ One training job per rank count (the demo DLRM, ``DLRoverStrategy``, gloo on CPU
 through the staged pipeline) runs every variant as a *segment* of the same fit, rounds interleaved forward and
 reversed (so a drift of the shared machine's load falls on every variant alike):
 
-- the grid: ``--grid`` fixed settings (12 by default, the default ``r1 p1 t1 a1 q2`` among them);
+- the grid: ``--grid`` fixed settings (12 by default, ``r1 p1 t1 a1 q2`` among them: ``PipelineConfig()``, the
+  default before the machine's start), and the machine's start;
+- the default: the pipeline a user gets who names no workers (``data.pipeline: {}``: the machine's start,
+  ``lightning_dlrover.data.staged.for_machine``), timed as a grid setting;
 - ``rl``: ``PipelineTuner(tuner="rl")`` started from the default, as a user gets it (its callback's budget: the
   cores left after the ranks), tuning for ``--tune`` seconds, then timed while it keeps running;
-- ``hill_climb``: ``PipelineTuner(tuner="hill_climb")`` likewise.
+- ``hill_climb``: ``PipelineTuner(tuner="hill_climb")`` likewise (``--tuners`` picks them);
+- ``fixed``: ``PipelineTuner(tuner="fixed")``, the start kept, timed after the same ``--tune`` seconds: the control
+  for a tuner's segment, whose setting has had a minute since its last rebuild where a grid setting has had
+  ``--settle`` seconds.
 
 A fixed setting is applied (a pipeline rebuild), left to settle for ``--settle`` seconds, then timed for
 ``--seconds`` by a per-step clock (samples of the steps over their wall time, the trainer's own step time
@@ -35,10 +41,10 @@ sys.path.insert(0, str(REPO))
 
 SIZES = [1000, 500, 2000, 1000, 300, 100, 1000, 200, 50, 1000, 1000, 1000, 500, 100, 1000, 2000, 1000, 50, 1000,
          500, 100, 2000, 100, 300, 1000, 500]
-DEFAULT = (1, 1, 1, 1, 2)
+DEFAULT = (1, 1, 1, 1, 2)  # PipelineConfig(), the start of every job before the machine's start
 GRID = [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (0, 0, 0, 0, 2), (1, 0, 0, 0, 2), (0, 0, 0, 1, 2), (0, 1, 0, 0, 1),
         (0, 1, 0, 0, 2), (1, 1, 0, 1, 2), (0, 1, 1, 0, 2), DEFAULT, (1, 2, 0, 1, 2), (1, 2, 2, 1, 2)]
-TUNERS = ("rl", "hill_climb")
+TUNERS = ["rl", "hill_climb"]
 
 
 def parse_args(argv=None):
@@ -54,9 +60,13 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench_pipeline_oracle")
     p.add_argument("--grid", default=None, help="the fixed settings to run instead of the 12-point grid, comma-separated, "
                    "e.g. 'r0 p0 t0 a0 q0,r1 p1 t1 a1 q2' (the default is always among them)")
+    p.add_argument("--tuners", default="rl,hill_climb", help="tuners to run, comma-separated: rl, hill_climb, fixed")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    TUNERS[:] = [t for t in args.tuners.split(",") if t]
+    if not set(TUNERS) <= {"rl", "hill_climb", "fixed"}:
+        p.error(f"--tuners {args.tuners!r}: choose among rl, hill_climb, fixed")
     if args.grid:
         try:
             chosen = [tuple(int(tok[1:]) for tok in item.split()) for item in args.grid.split(",")]
@@ -95,7 +105,10 @@ class Schedule:
             dist.all_reduce(over, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
         return bool(over)
 
-    def _plan(self) -> None:
+    def _plan(self, start) -> None:
+        self.start = start
+        if start not in GRID:
+            GRID.append(start)
         for round_ in range(self.args.rounds):
             for v in variants(round_):
                 self.segments.append((round_, v))
@@ -112,7 +125,7 @@ class Schedule:
         self.round, self.current = self.segments.pop(0)
         loader = find_pipelined_loader(trainer)
         if self.current in TUNERS:
-            loader.reconfigure(PipelineConfig(*DEFAULT))  # the tuner starts from the default, as configured
+            loader.reconfigure(PipelineConfig(*self.start))  # the tuner starts from the default, as a user gets it
             self.tuner = PipelineTuner(self.current, window_s=self.args.window, memory_mb=1024,
                                        report_dir=str(self.args.out / "tuner"))
             self.tuner.on_train_start(trainer, module)
@@ -130,7 +143,11 @@ class Schedule:
             return
         if self.phase == "warm-up":
             if self.steps == 60:
-                self._plan()
+                import dataclasses
+
+                from lightning_dlrover.pipeline_tuner.callback import find_pipelined_loader
+
+                self._plan(tuple(dataclasses.astuple(find_pipelined_loader(trainer).config)))
                 self._start_segment(trainer, module)
             return
         if not self._over(now, trainer):
@@ -141,7 +158,8 @@ class Schedule:
         elif self.phase == "measure":
             steps, seconds = self.steps - self.steps0, now - self.t0
             result = {"round": self.round, "variant": self.current if isinstance(self.current, str) else
-                      short(self.current), "samples_per_s": steps * self.args.batch / seconds, "seconds": seconds,
+                      short(self.current), "start": short(self.start),
+                      "samples_per_s": steps * self.args.batch / seconds, "seconds": seconds,
                       "load": (self.load0 + os.getloadavg()[0]) / 2}
             if self.tuner is not None:
                 driver = self.tuner.driver
@@ -175,9 +193,8 @@ def worker(args) -> None:
         def on_train_batch_end(self, *a):
             schedule.on_train_batch_end(*a)
 
-    pipeline = dict(zip(("read", "parse", "transform", "assemble", "prefetch"), DEFAULT))
     data = DLRMDataModule(SIZES, global_batch_size=args.batch, val_batches=0, criteo_paths=[str(args.data)],
-                          pipeline=pipeline)
+                          pipeline={})  # no workers named: the machine's start, as a user gets it
     model = DLRMModule(SIZES, embedding_dim=16, dense_arch_layer_sizes=[64, 16], over_arch_layer_sizes=[64, 32, 1])
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, max_steps=10**8, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -189,23 +206,27 @@ def worker(args) -> None:
 def table(devices: int, results: list[dict]) -> str:
     from lightning_dlrover.pipeline_tuner.report import table as text_table
 
-    names = [short(c) for c in GRID] + list(TUNERS)
+    names = list(dict.fromkeys(r["variant"] for r in results))
     by = {n: [r for r in results if r["variant"] == n] for n in names}
     mean = {n: statistics.mean(r["samples_per_s"] for r in rs) for n, rs in by.items() if rs}
     grid_means = {n: m for n, m in mean.items() if n not in TUNERS}
     oracle_name = max(grid_means, key=grid_means.get)
-    oracle, default = grid_means[oracle_name], mean[short(DEFAULT)]
+    start, before = results[0]["start"], short(DEFAULT)
+    oracle, default = grid_means[oracle_name], mean[start]
     rows = []
     for n in sorted(mean, key=lambda n: -mean[n]):
         rs = by[n]
-        label = n + (" (default)" if n == short(DEFAULT) else " (oracle)" if n == oracle_name else "")
+        label = n + "".join(f" ({why})" for why, name in (("oracle", oracle_name), ("default: the machine's start",
+                                                          start), ("PipelineConfig()", before)) if n == name)
         final = "; ".join(f"{r['final']}{'' if r['done'] else ' (tuning)'}" for r in rs) if n in TUNERS else ""
         rows.append([label, f"{mean[n]:.0f}", " / ".join(f"{r['samples_per_s']:.0f}" for r in rs),
-                     f"{mean[n] / oracle:.2f}", f"{mean[n] / default:.2f}", final])
+                     f"{mean[n] / oracle:.2f}", f"{mean[n] / default:.2f}",
+                     f"{mean[n] / mean[before]:.2f}" if before in mean else "", final])
     loads = [r["load"] for r in results]
     head = (f"\n{devices} training rank(s): mean samples/s over {len(by[oracle_name])} rounds "
             f"(load average {min(loads):.1f}-{max(loads):.1f})")
-    return head + "\n" + text_table(["variant", "mean/s", "each round", "x oracle", "x default", "tuner final"], rows)
+    return head + "\n" + text_table(["variant", "mean/s", "each round", "x oracle", "x default",
+                                      f"x {before}", "tuner final"], rows)
 
 
 def main(argv=None) -> None:
@@ -222,6 +243,7 @@ def main(argv=None) -> None:
         cmd = [sys.executable, __file__, "--worker", "--devices", str(devices), "--data", str(args.data), "--rounds",
                str(args.rounds), "--seconds", str(args.seconds), "--settle", str(args.settle), "--tune",
                str(args.tune), "--batch", str(args.batch), "--window", str(args.window), "--out", str(args.out),
+               "--tuners", args.tuners,
                *(["--grid", args.grid] if args.grid else [])]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         results, t0 = [], time.perf_counter()

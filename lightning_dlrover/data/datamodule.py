@@ -3,13 +3,18 @@ loader (:mod:`.staged`, imported only when ``pipeline`` is set)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_dlrover.data.eval_loader import EvalLoader
 from lightning_dlrover.data.loader import ResumableLoader
 from lightning_dlrover.data.sources import NUM_SPARSE, CriteoTSV, SampleSource, SyntheticCriteo
+
+if TYPE_CHECKING:
+    from lightning_dlrover.data.staged import PipelineConfig
 
 
 class DLRMDataModule(pl.LightningDataModule):
@@ -36,7 +41,10 @@ class DLRMDataModule(pl.LightningDataModule):
         pipeline: train on ``criteo_paths`` through the staged parallel pipeline
             (:class:`~lightning_dlrover.data.staged.PipelinedLoader`): workers per stage and prefetch depth
             (``read``, ``parse``, ``transform``, ``assemble``, ``prefetch``), and optionally ``chunk_rows`` and
-            ``on_error`` (``raise`` or ``skip``); ``None``: the in-process loader. Same batches either way.
+            ``on_error`` (``raise`` or ``skip``); ``None``: the in-process loader. Same batches either way. With
+            no stage and no ``prefetch`` named (e.g. ``{}``) the pipeline starts from what suits the machine
+            (:func:`~lightning_dlrover.data.staged.for_machine`: everything inline in one prefetch thread when a
+            CPU trainer's threads use every core, else one worker per stage and 2 batches prefetched).
     """
 
     def __init__(
@@ -92,8 +100,23 @@ class DLRMDataModule(pl.LightningDataModule):
             from lightning_dlrover.data.staged import pipelined_loader
 
             return pipelined_loader(self._source(train), rank, world_size, self.hparams.global_batch_size,
-                                    self.hparams.pipeline)
+                                    self.hparams.pipeline, self._machine_pipeline())
         return ResumableLoader(self._source(train), rank, world_size, self.hparams.global_batch_size)
+
+    def _machine_pipeline(self) -> PipelineConfig | None:
+        """The pipeline's start when ``data.pipeline`` names no workers: for this node's ranks and each trainer's
+        threads (a CPU trainer's intra-op threads, one for an accelerator); ``None`` when it names some."""
+        from lightning_dlrover.data.staged.config import STAGES, available_cores, for_machine
+
+        if {*STAGES, "prefetch"} & set(self.hparams.pipeline):
+            return None
+        trainer = self.trainer
+        ranks = max(trainer.num_devices, 1) if trainer else 1
+        threads = torch.get_num_threads() if trainer is None or trainer.strategy.root_device.type == "cpu" else 1
+        config = for_machine(ranks, threads)
+        rank_zero_info(f"data.pipeline names no workers: starting at {config.short()} ({ranks} rank(s) on "
+                       f"{available_cores()} cores, {threads} trainer thread(s) each)")
+        return config
 
     def train_dataloader(self) -> ResumableLoader:
         """The rank's training loader; the same object across epochs so its position is checkpointed, built anew when

@@ -49,10 +49,12 @@ Design (one decision per measurement window, ``window_s`` seconds each):
   the incumbent).
 
 Cost: a rejected trial is 2 windows, a kept one 5-7, each switch a pipeline reset (a rebuild at the current
-sample, 0.2-0.5 s on 2 cores). On few cores the trainer is the bottleneck and the prior tries fewer workers first:
-on a quiet 2-core machine (``bench/bench_pipeline_oracle.py``, a 12-point grid, 4 interleaved rounds) the agent ended
-at 0.95 of the grid oracle at 2 ranks and 0.90 at 1 rank (prefetch 1 where all inline is 4% faster: within the noise
-of its windows there), 1.10-1.11x the default, never below it. On many cores a parse-bound pipeline is the
+sample, 0.2-0.5 s on 2 cores). On few cores the trainer is the bottleneck: a job that names no workers starts from
+everything inline in one prefetch thread (:func:`~lightning_dlrover.data.staged.for_machine`), and the prior tries
+fewer workers first. On a quiet 2-core machine (``bench/bench_pipeline_oracle.py``, 4 interleaved rounds) the agent
+kept that start in 10 of 12 runs and ended at 0.98 of the grid oracle at 2 ranks and 0.99-1.06 at 1 rank (two runs),
+1.00-1.07x the start, 1.09-1.20x ``PipelineConfig()`` (from which it had reached 0.90-0.95: the 4% between
+prefetch 1 and all inline is within the noise of its 2-second windows, so it could not climb there). On many cores a parse-bound pipeline is the
 bottleneck and the agent grows the busy stages geometrically (1, 2, 3, 4, 6, 9...), fuses stages once the cores are
 spent, and keeps a large gain after one pair. On a model calibrated on that machine (``bench/bench_pipeline_scale.py``,
 a trainer at 2M-8M samples/s, 8-64 cores) it ends at 0.95-1.00 of the grid oracle within 2 minutes of pipeline time,

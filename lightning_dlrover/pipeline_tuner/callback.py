@@ -101,7 +101,7 @@ class PipelineTuner(Callback):
         else:
             tuner = FixedTuner(configured, "fixed")
         if self._joint and self._trainer.global_rank != 0:
-            return joint.Follower(tuner.name, tuner.first())
+            return joint.Follower(tuner.name, tuner.first(), tuner.done)
         return tuner
 
     @override

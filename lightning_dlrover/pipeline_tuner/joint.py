@@ -44,9 +44,11 @@ class PeerFailed(RuntimeError):
 class Follower:
     """The tuner of a rank other than 0 at 2+ ranks: decides nothing, keeps what rank 0 decided."""
 
-    def __init__(self, name: str, start: PipelineConfig) -> None:
+    def __init__(self, name: str, start: PipelineConfig, done: bool) -> None:
+        # ``done`` is rank 0's tuner's from the start (a ``fixed`` tuner is done at once): whether a window closes
+        # depends on it, so a follower that assumed otherwise would meet at other steps than rank 0 and hang.
         self.name, self.start, self.current = name, start, start
-        self.done, self.kept_start = False, None
+        self.done, self.kept_start = done, None
 
     def first(self) -> PipelineConfig:
         return self.start

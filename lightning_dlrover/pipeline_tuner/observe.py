@@ -9,25 +9,16 @@ applied and refuses any configuration predicted over the budget, so the budget i
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 
 import psutil
 
 from lightning_dlrover.data.staged import STAGES, PipelineConfig, PipelinedLoader, PipelineStats
-from lightning_dlrover.data.staged.config import stage_methods
+from lightning_dlrover.data.staged.config import available_cores, stage_methods
 
 #: Memory of one stage worker process assumed before any has been measured.
 PRIOR_WORKER_BYTES = 96 << 20
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,16 @@ from typing import TYPE_CHECKING
 from lightning_dlrover._lazy import exports
 
 if TYPE_CHECKING:
-    from lightning_dlrover.data.staged.config import DEFAULT_METHODS, INLINE, STAGES, Method, PipelineConfig
+    from lightning_dlrover.data.staged.config import (DEFAULT_METHODS, FEW_CORES, INLINE, STAGES, Method,
+                                                      PipelineConfig, for_machine)
     from lightning_dlrover.data.staged.graph import Delivered, build_graph, shutdown_nodes
     from lightning_dlrover.data.staged.loader import PipelinedLoader, PipelineStats, pipelined_loader
 
 __getattr__, __dir__ = exports(__name__, {
     "DEFAULT_METHODS": "lightning_dlrover.data.staged.config",
+    "FEW_CORES": "lightning_dlrover.data.staged.config",
     "INLINE": "lightning_dlrover.data.staged.config",
+    "for_machine": "lightning_dlrover.data.staged.config",
     "STAGES": "lightning_dlrover.data.staged.config",
     "Method": "lightning_dlrover.data.staged.config",
     "PipelineConfig": "lightning_dlrover.data.staged.config",
@@ -24,5 +27,5 @@ __getattr__, __dir__ = exports(__name__, {
     "PipelinedLoader": "lightning_dlrover.data.staged.loader",
     "pipelined_loader": "lightning_dlrover.data.staged.loader",
 })  # fmt: skip
-__all__ = ["DEFAULT_METHODS", "INLINE", "STAGES", "Delivered", "Method", "PipelineConfig", "PipelineStats",
-           "PipelinedLoader", "build_graph", "pipelined_loader", "shutdown_nodes"]
+__all__ = ["DEFAULT_METHODS", "FEW_CORES", "INLINE", "STAGES", "Delivered", "Method", "PipelineConfig", "PipelineStats",
+           "PipelinedLoader", "build_graph", "for_machine", "pipelined_loader", "shutdown_nodes"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -59,3 +60,33 @@ class PipelineConfig:
 
 #: The in-process configuration: every stage inline, nothing prefetched (today's loader with the fast parse).
 INLINE = PipelineConfig(0, 0, 0, 0, 0)
+#: The start where the trainer leaves no core free: every stage inline, in one prefetch thread.
+FEW_CORES = PipelineConfig(0, 0, 0, 0, 1)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def for_machine(ranks_per_node: int = 1, trainer_threads: int = 1, cores: int | None = None) -> PipelineConfig:
+    """The pipeline a job gets when ``data.pipeline`` names no workers: :data:`FEW_CORES` when the node's cores, split
+    across its ``ranks_per_node`` training ranks, leave each less than one core beyond its trainer's own
+    ``trainer_threads`` (a CPU trainer's intra-op threads; one thread feeds a GPU), else ``PipelineConfig()``.
+
+    Worker processes on a core the trainer uses slow every step by more than they save (issue #24, measured on 2 cores:
+    ``bench/bench_pipeline_oracle.py``); a tuner climbs from either start where the data is the bottleneck.
+
+    Example::
+
+        for_machine(ranks_per_node=1, trainer_threads=2, cores=2)    # r0 p0 t0 a0 q1: a CPU trainer on 2 cores
+        for_machine(ranks_per_node=8, trainer_threads=1, cores=64)   # r1 p1 t1 a1 q2: 8 GPUs, 7 cores each to spare
+    """
+    if ranks_per_node < 1 or trainer_threads < 1:
+        raise ValueError(f"for_machine(ranks_per_node={ranks_per_node}, trainer_threads={trainer_threads}): "
+                         "both must be >= 1.")
+    cores = available_cores() if cores is None else cores
+    return PipelineConfig() if cores / ranks_per_node - trainer_threads >= 1 else FEW_CORES

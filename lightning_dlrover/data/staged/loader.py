@@ -207,12 +207,15 @@ class PipelinedLoader(ResumableLoader):
 
 
 def pipelined_loader(source: CriteoTSV, rank: int, world_size: int, global_batch_size: int,
-                     settings: dict[str, Any]) -> PipelinedLoader:
+                     settings: dict[str, Any], unnamed: PipelineConfig | None = None) -> PipelinedLoader:
     """A :class:`PipelinedLoader` from a settings dict (``data.pipeline`` of the data module): workers per stage,
-    ``prefetch``, and optionally ``chunk_rows`` and ``on_error``."""
+    ``prefetch``, and optionally ``chunk_rows`` and ``on_error``. Settings that name no stage and no ``prefetch``
+    give ``unnamed`` (the machine's start, :func:`~.config.for_machine`; default ``PipelineConfig()``); named ones
+    fill the rest from ``PipelineConfig()``."""
     settings = dict(settings)
     extra = {k: settings.pop(k) for k in ("chunk_rows", "on_error") if k in settings}
     unknown = set(settings) - {*STAGES, "prefetch"}
     if unknown:
         raise ValueError(f"data.pipeline has unknown keys {sorted(unknown)}; use {[*STAGES, 'prefetch', 'chunk_rows', 'on_error']}.")
-    return PipelinedLoader(source, rank, world_size, global_batch_size, PipelineConfig(**settings), **extra)
+    config = PipelineConfig(**settings) if settings or unnamed is None else unnamed
+    return PipelinedLoader(source, rank, world_size, global_batch_size, config, **extra)
