@@ -26,6 +26,10 @@ Same job as ``bench/bench_recovery.py`` (the chaos config with 26 tables of ``--
   after step ``--at-step`` every rank asks to grow to ``--ranks + 1`` (what ``ResourceAdvisor(apply=True)`` does when
   more ranks are better): the launcher starts a process, and once it is set up the new rank joins at a commit. Its
   row as the grow's (``--grow-steps`` steps after the request: the new process sets up meanwhile);
+- ``in-process machine``: no fault; the job is launched with room for a second machine (``launch --max-nnodes 2``)
+  and once it committed its first step a second launcher starts (``--node-rank 1``, one rank, on this machine: a
+  machine added to the job): its process sets up, and it joins as rank ``--ranks`` at a commit. Its row as the
+  grow's; the set-up is from the second launcher's offer to machine 0's grow plan;
 - ``dcp``, ``parity restart``: ``bench_recovery.measure`` in the same run (2 ``torchrun`` agents x 2 ranks, node
   0 killed, every worker restarted; a checkpoint at the kill step for ``dcp``, spills for ``parity``).
 
@@ -54,6 +58,7 @@ the start and at the end: other jobs on the machine move every number.
     PYTHONPATH=. python bench/bench_in_process.py --methods "in-process replan" --rows 20000 100000 --base-rows 0
     PYTHONPATH=. python bench/bench_in_process.py --methods "in-process retire" dcp --rows 20000 100000 --base-rows 0
     PYTHONPATH=. python bench/bench_in_process.py --methods "in-process join" dcp --rows 20000 100000 --base-rows 0
+    PYTHONPATH=. python bench/bench_in_process.py --methods "in-process machine" dcp --rows 20000 100000 --base-rows 0
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -74,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_recovery  # noqa: E402
 
+from lightning_dlrover.fault.inplace import membership  # noqa: E402
 from lightning_dlrover.fault.points import WAIT_FOR_SPARES_ENV  # noqa: E402
 from lightning_dlrover.monitor.events import read_events  # noqa: E402
 
@@ -120,30 +127,42 @@ def free_port() -> int:
 
 
 def asked(rows: int, args: argparse.Namespace, workdir: Path, what: str) -> dict[str, float]:
-    """The re-plan, retire or join drill (see the module docs); timings from its events."""
-    end = args.at_step + (args.grow_steps if what == "join" else args.after_steps)
+    """The re-plan, retire, join or machine drill (see the module docs); timings from its events."""
+    end = args.at_step + (args.grow_steps if what in ("join", "machine") else args.after_steps)
     config_path = bench_recovery.job_config(rows, args.dim, "parity", args.at_step, end, workdir)
     config = yaml.safe_load(config_path.read_text())
     hot = {f"t_cat_{i}": 20.0 for i in range(0, 26, 4)}
-    config["trainer"]["callbacks"].append(
+    config["trainer"]["callbacks"] += [] if what == "machine" else [
         {"class_path": "replan_at.ReplanAt", "init_args": {"step": args.at_step, "pooling_factors": hot}}
         if what == "replan" else
         {"class_path": "replan_at.ResizeAt",
-         "init_args": {"step": args.at_step, "world_size": args.ranks + (1 if what == "join" else -1)}})
+         "init_args": {"step": args.at_step, "world_size": args.ranks + (1 if what == "join" else -1)}}]
     config_path.write_text(yaml.safe_dump(config))
     run_dir = workdir / f"{what}-{rows}"
     run_dir.mkdir()
     events_path = run_dir / "events.jsonl"
     env = {**os.environ, "LIGHTNING_DLROVER_EVENTS": str(events_path),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ["PYTHONPATH"]])}
-    command = [sys.executable, "-m", "lightning_dlrover", "launch", "--nproc-per-node", str(args.ranks), "--spares", "0",
-               "--max-nproc-per-node", str(args.ranks + (what == "join")),
-               "--master", f"127.0.0.1:{free_port()}", "--", "-m", "lightning_dlrover", "fit", "--config",
-               str(config_path), f"--trainer.default_root_dir={run_dir}"]
-    with open(run_dir / "launch.log", "w") as log:
-        code = subprocess.run(command, env=env, cwd=run_dir, stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
+    address = f"127.0.0.1:{free_port()}"
+    launcher = [sys.executable, "-m", "lightning_dlrover", "launch", "--spares", "0", "--master", address,
+                "--max-nproc-per-node", str(args.ranks + (what == "join")), "--max-nnodes", str(1 + (what == "machine"))]
+    program = ["--", "-m", "lightning_dlrover", "fit", "--config", str(config_path),
+               f"--trainer.default_root_dir={run_dir}"]
+    with open(run_dir / "launch.log", "w") as log, open(run_dir / "machine1.log", "w") as log1:
+        job = subprocess.Popen([*launcher, "--nproc-per-node", str(args.ranks), *program], env=env, cwd=run_dir,
+                               stdout=log, stderr=subprocess.STDOUT)
+        if what == "machine":  # a machine added once the job trains
+            store = membership.connect(address, timeout=300)
+            while membership.committed(store, 0, 0) is None and job.poll() is None:
+                time.sleep(0.2)
+            added = subprocess.Popen([*launcher, "--node-rank", "1", "--nproc-per-node", "1", *program], env=env,
+                                     cwd=run_dir, stdout=log1, stderr=subprocess.STDOUT)
+        code = job.wait(timeout=900)
+        if what == "machine":
+            code = code or added.wait(timeout=120)
     events = read_events([events_path])
-    kind = {"replan": "resharded_in_process", "retire": "shrunk_in_process", "join": "grown_in_process"}[what]
+    kind = {"replan": "resharded_in_process", "retire": "shrunk_in_process", "join": "grown_in_process",
+            "machine": "grown_in_process"}[what]
     done = [e for e in events if e.kind == kind]
     if code != 0 or not done:
         sys.exit(f"the {what} drill ({rows} rows) did not change the job in process; see {run_dir}")
@@ -153,7 +172,7 @@ def asked(rows: int, args: argparse.Namespace, workdir: Path, what: str) -> dict
     if what == "replan":
         print(f"{rows} rows, re-planned: {done[0].fields['sharding']}", flush=True)
     asked_at = next((e.time for e in events if e.kind in ("shrink_planned", "grow_planned")), boundary)  # the plan
-    started = next((e.time for e in events if e.kind == "grow_started"), asked_at)
+    started = next((e.time for e in events if e.kind in ("grow_started", "join_offered")), asked_at)
     return {"lost_bytes": float("nan"), "detect": max(boundary - asked_at, 0.0), "replacement": 0.0,
             "decode": max(e.fields["decode_s"] + e.fields["reshard_s"] for e in done), "restore": restored - boundary,
             "first_step": resumed - restored, "total": resumed - boundary, "set_up": asked_at - started}
@@ -269,7 +288,7 @@ def main() -> None:
         for rows in args.rows:
             results = {}
             for method in args.methods:
-                if method in ("in-process replan", "in-process retire", "in-process join"):
+                if method in ("in-process replan", "in-process retire", "in-process join", "in-process machine"):
                     results[method] = asked(rows, args, Path(tmp), method.split()[-1])
                 elif method.startswith("in-process"):
                     results[method] = in_process(rows, args, Path(tmp), spares=1 if method.endswith("hot") else 0,
@@ -297,7 +316,7 @@ def main() -> None:
     print("restart rows: 'replace' is the restart (workers exit, re-rendezvous, import, build); 'decode' and 'restore' "
           "the restore (decode + re-shard for parity, the checkpoint load for dcp).")
     for rows, results, _ in table:
-        for method in ("in-process grow", "in-process join"):
+        for method in ("in-process grow", "in-process join", "in-process machine"):
             if (g := results.get(method)) is None:
                 continue
             print(f"{method} at {26 * rows * args.dim * 4 / 2**20:.0f} MiB: 'detect' is the wait for the step "

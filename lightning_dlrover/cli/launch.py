@@ -18,6 +18,15 @@ One machine with room to grow: the job starts at 2 ranks and may grow to 4 in pr
 (``DLRoverStrategy.resize_in_process``, e.g. ``ResourceAdvisor(apply=True)``)::
 
     lightning-dlrover launch --nproc-per-node 2 --max-nproc-per-node 4 -- train.py --config job.yaml
+
+A machine added to a running job: launched with room for a second machine, the job trains on one; a launcher started
+later on the new machine (``--node-rank`` 1) sets its ranks up and they join at a commit, with no rank restarted::
+
+    # machine A, at the start                # machine B, any time later
+    lightning-dlrover launch --max-nnodes 2 --nproc-per-node 2 \
+        --master 10.0.0.1:29500 -- train.py --config job.yaml
+    lightning-dlrover launch --max-nnodes 2 --node-rank 1 --nproc-per-node 2 \
+        --master 10.0.0.1:29500 -- train.py --config job.yaml
 """
 
 from __future__ import annotations
@@ -43,7 +52,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lightning-dlrover launch", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nnodes", type=int, default=1, help="machines in the job")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 hosts the store)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index (0 hosts the store); from --nnodes up to --max-nnodes: a machine that "
+                        "joins the running job")
+    p.add_argument("--max-nnodes", type=int, default=None,
+                   help="the most machines the job may have: machines may join it while it trains, each a launcher "
+                        "started with the next --node-rank (default: --nnodes, none joins)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks on this machine")
     p.add_argument("--spares", default="1",
                    help="hot spares kept on this machine (0: replacements start cold); auto: the fault-tolerance "
@@ -105,8 +119,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.max_nproc_per_node > args.nproc_per_node and (args.nnodes > 1 or args.no_in_process):
         p.error("--max-nproc-per-node lets the job grow in process on its one machine: it needs --nnodes 1 and "
                 "in-process recovery (no --no-in-process).")
-    if not 0 <= args.node_rank < args.nnodes:
-        p.error(f"--node-rank {args.node_rank} is outside [0, {args.nnodes}).")
+    args.max_nnodes = args.max_nnodes or args.nnodes
+    if args.max_nnodes < args.nnodes:
+        p.error(f"--max-nnodes {args.max_nnodes} must be >= --nnodes {args.nnodes}.")
+    if args.max_nnodes > args.nnodes and args.no_in_process:
+        p.error("--max-nnodes lets machines join the job in process: it needs in-process recovery (no --no-in-process).")
+    if not 0 <= args.node_rank < args.max_nnodes:
+        p.error(f"--node-rank {args.node_rank} is outside [0, {args.max_nnodes}) (machines past --nnodes join a "
+                "running job, up to --max-nnodes).")
     if args.spares == "auto":
         try:
             args.spares = planned_spares(args.program, args.nnodes, args.nproc_per_node)

@@ -95,8 +95,13 @@ KINDS: dict[str, tuple[str, ...]] = {
     # running at world_size of target_world_size ranks; published the plan in which joined_ranks join (the job grows
     # to world_size; pids: {joined rank: pid}); gave the grow up (why: gave_up or would_not_fit; reason: for people)
     "grow_started": ("spare", "spare_pid", "world_size", "target_world_size", "asked"),
-    "grow_planned": ("generation", "joined_ranks", "world_size", "pids"),
+    "grow_planned": ("generation", "joined_ranks", "world_size", "pids", "node"),
     "grow_abandoned": ("why", "reason"),
+    # launch --node-rank K past --nnodes (fault/inplace/join.py): machine K offered its processes (spare indices,
+    # pids) to the running job; machine K does not join (why: capacity, job_ended or died; reason: for people), said
+    # by machine 0 or K; grow_planned's node: the machine whose ranks join (absent: this machine's)
+    "join_offered": ("node", "spares", "pids"),
+    "join_refused": ("node", "why", "reason"),
     # every rank of a grow in process (survivor: it was running; else it joined), at the committed step it resumes at;
     # times as for recovered_in_process; grow_failed: a running rank's grow failed half-way (spills written, restart)
     "grown_in_process": ("survivor", "old_world_size", "world_size", "joined_ranks", "decode_s", "reshard_s",

@@ -97,12 +97,12 @@ class Resharder:
         shard_model.unshard(self.strategy, module)
         return shard_model.plan_for(self.strategy, module, world_size)
 
-    def reshard(self, rank: int, world_size: int, plan: Any | None = None) -> str:
+    def reshard(self, rank: int, world_size: int, plan: Any | None = None, local_world_size: int | None = None) -> str:
         strategy, module = self.strategy, self.strategy.lightning_module
         order = shard_model.pooled_keys(strategy)
         kept, old_plan, self.keep_order = self.keep_order, strategy._dmp.plan, None
         kept = kept if world_size == strategy.world_size else None  # (a re-plan's; a shrink or grow moves on)
-        renumber(strategy, rank, world_size)
+        renumber(strategy, rank, world_size, local_world_size)
         if plan is None:  # a shrink or re-plan: the ranks plan together in the (new) world
             shard_model.unshard(strategy, module)
             strategy._dmp = strategy.model = shard_model.shard(strategy, module, initialise=False)
@@ -165,13 +165,15 @@ def verified(strategy: DLRoverStrategy, report: RecoveryReport, before: str | No
              f"{'equals' if before == after else 'DIFFERS FROM'} the committed state before it ({before[:12]})")
 
 
-def renumber(strategy: Any, rank: int, world_size: int) -> None:
+def renumber(strategy: Any, rank: int, world_size: int, local_world_size: int | None = None) -> None:
     """Makes this process rank ``rank`` of ``world_size`` for everything that reads the rank and world size: the
     launcher's environment (Lightning's cluster environment reads it), the strategy's devices and ranks, and
-    Lightning's ``rank_zero_only``. One machine: the local rank is the rank."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    fit_devices(strategy, world_size)
+    Lightning's ``rank_zero_only``. One machine (``local_world_size`` ``None``): the local rank is the rank; else (a
+    machine joined the job) this machine's ranks keep their local ranks."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    if local_world_size is None:
+        os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    fit_devices(strategy, local_world_size or world_size)
 
 
 def fit_devices(strategy: Any, local_world_size: int | None = None) -> None:

@@ -53,8 +53,6 @@ REPLACEMENT_TIMEOUT_ENV = "LIGHTNING_DLROVER_REPLACEMENT_TIMEOUT"
 #: Seconds the ranks of a launch wait for each other to start their process group (default 600): every rank
 #: imports torch, Lightning and TorchRec first, which on a loaded machine can take minutes.
 START_TIMEOUT_ENV = "LIGHTNING_DLROVER_START_TIMEOUT"
-#: ``1``: the launcher grows the job back after a shrink (``launch --regrow``): rank 0 looks for its request at commits.
-REGROW_ENV = "LIGHTNING_DLROVER_REGROW"
 PREFIX = "lightning_dlrover/"
 
 
@@ -95,6 +93,7 @@ class Assignment:
     generation: int
     assigned_at: float
     local_rank: int | None = None
+    local_world_size: int | None = None  # the ranks on its machine (a machine that joins: its own count)
 
 
 def enabled() -> bool:
@@ -110,9 +109,9 @@ def is_joining() -> bool:
 def become(assignment: Assignment) -> None:
     """Makes this spare process the worker ``assignment`` names (the environment Lightning and
     ``init_process_group`` read), joining at generation ``assignment.generation``."""
-    local = worker_env.local_world_size()
-    if local == int(os.environ.get("WORLD_SIZE", "0")):  # one machine: its ranks are the world's (a grow may pass it)
-        local = assignment.world_size
+    local = assignment.local_world_size or worker_env.local_world_size()
+    if local == int(os.environ.get("WORLD_SIZE", "0")) and not assignment.local_world_size:  # one machine: its ranks
+        local = assignment.world_size  # are the world's (a grow may pass it)
     local_rank = assignment.rank % local if assignment.local_rank is None else assignment.local_rank
     os.environ.update(RANK=str(assignment.rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(assignment.world_size),
                       LOCAL_WORLD_SIZE=str(local), **{JOINING_ENV: "1", GENERATION_ENV: str(assignment.generation)})
@@ -269,14 +268,17 @@ def resize_asked(store: Store, launch: int) -> tuple[int, int] | None:
     return (generation, int(_get(store, key))) if store.check([PREFIX + key]) else None
 
 
-def publish_grow_plan(store: Store, launch: int, world_size: int, spares: dict[int, int]) -> Plan:
+def publish_grow_plan(store: Store, launch: int, world_size: int, spares: dict[int, int],
+                      local_ranks: dict[int, int] | None = None, local_world_size: int | None = None) -> Plan:
     """Starts a new generation of launch ``launch`` in which ``spares`` (``new rank -> spare index``) join the ranks
-    of a world of ``world_size`` on one machine (who keep their numbers; a new rank's device slot is its number),
-    assigns the spares, publishes the plan and asks the ranks to grow at their next commit (:func:`resize_requested`)."""
+    of a world of ``world_size`` (who keep their numbers; a new rank's device slot: ``local_ranks[rank]`` on a machine
+    of ``local_world_size`` ranks that joins, else its number), assigns the spares, publishes the plan and asks the
+    ranks to grow at their next commit (:func:`resize_requested`)."""
     generation = int(store.add(PREFIX + f"{launch}/generation", 1))
     now, grown = time.time(), world_size + len(spares)
     for rank, spare in spares.items():
-        _set(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, grown, generation, now, rank)))
+        slot = (local_ranks or {}).get(rank, rank)
+        _set(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, grown, generation, now, slot, local_world_size)))
     plan = Plan(generation, [], dict(spares), now, grown, grow=True)
     _set(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {str(k): v for k, v in spares.items()}})
     _set(store, f"{launch}/resize/{generation}", str(grown))
@@ -311,8 +313,7 @@ def publish_device(store: Store, launch: int, device_type: str) -> None:
 
 def job_device(store: Store, launch: int) -> str:
     """The device type the job's ranks said they run on; ``"cpu"`` when none said (CPU ranks say nothing)."""
-    key = f"{launch}/device"
-    return _get(store, key) if store.check([PREFIX + key]) else "cpu"
+    return _get(store, f"{launch}/device") if store.check([PREFIX + f"{launch}/device"]) else "cpu"
 
 
 # ------------------------------------------------------------------------------------- sharding plan

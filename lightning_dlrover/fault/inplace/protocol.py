@@ -40,13 +40,13 @@ from typing import Any, Protocol, TypeVar
 import torch.distributed as dist
 
 from lightning_dlrover.fault.host import Host
-from lightning_dlrover.fault.inplace import membership, retire, shrink, spare
+from lightning_dlrover.fault.inplace import join, membership, retire, shrink, spare
 from lightning_dlrover.fault.inplace.process_group import BACKEND, ReconfigurableGroup, register
 from lightning_dlrover.fault.report import RecoveryReport, ReshardRequested, ResizeRequested
 from lightning_dlrover.fault.restart.renumber import survivor_ranks
 from lightning_dlrover.log import get_logger
 from lightning_dlrover.monitor import emit
-from lightning_dlrover.worker_env import restart_count
+from lightning_dlrover.worker_env import local_world_size, restart_count
 
 Plan = TypeVar("Plan")
 log = get_logger(__name__)
@@ -80,11 +80,11 @@ class Resharder(Protocol):
         """Puts the model's unsharded tables back and plans their sharding for ``world_size`` ranks (a collective over
         the current world); kept in the launcher's store for the ranks that join."""
 
-    def reshard(self, rank: int, world_size: int, plan: Any | None = None) -> str:
-        """Makes this process ``rank`` of ``world_size`` and shards its model anew for that world with fresh
-        optimizers (planned with the strategy's constraints now, unless ``plan``); with ``plan`` (a grow), alone: the
-        joining ranks build theirs at the same time, so collectives are answered locally, as a replacement's are.
-        Returns the new plan in words."""
+    def reshard(self, rank: int, world_size: int, plan: Any | None = None, local_world_size: int | None = None) -> str:
+        """Makes this process ``rank`` of ``world_size`` (of ``local_world_size`` ranks on its machine; ``None``: one
+        machine) and shards its model anew for that world with fresh optimizers (planned with the strategy's
+        constraints now, unless ``plan``); with ``plan`` (a grow), alone: the joining ranks build theirs at the same
+        time, so collectives are answered locally, as a replacement's are. Returns the new plan in words."""
 
 
 @dataclass
@@ -184,17 +184,17 @@ class InProcessRecovery:
         self.resize_asked: int | None = None  # the world size this job asked the launcher for and has not reached
         #: Set by the strategy: ends this process at once, a rank retired by a shrink the job asked for.
         self.leave: Callable[[], None] | None = None
-        self._regrow = os.environ.get(membership.REGROW_ENV) == "1"
         if self._store is not None and self._group is not None:
             manager.resize_poll = self._resize_requested
 
     def _resize_requested(self) -> bool:
-        """On rank 0 at each commit, of a job short of its launch size under ``launch --regrow`` or that asked for a
-        shrink: whether the launcher published the plan that resizes it (one store look-up)."""
+        """On rank 0 at each commit, of a job with room to grow (short of its launch size after a shrink, launched
+        with ``--max-nproc-per-node`` or ``--max-nnodes``) or that asked for a shrink: whether the launcher published
+        the plan that resizes it (one store look-up)."""
         group = self._group
         if group is None or self._store is None or group.rank() != 0 or group.joining:
             return False
-        if not (self.resize_asked is not None or (self._regrow and group.size() < group.launch_size)):
+        if not (self.resize_asked is not None or group.size() < group.capacity):
             return False
         try:
             return membership.resize_requested(self._store, restart_count(), group.generation)
@@ -324,7 +324,8 @@ class InProcessRecovery:
             group.reconfigure(plan.generation, rank=host.global_rank, world_size=plan.world_size)
             self.times.connected_at = time.time()
             self.manager.reach("during_recovery", self.manager.committed_step)
-            self.resharder.reshard(host.global_rank, plan.world_size, sharding)
+            local = local_world_size() if join.from_another_machine(self._store, restart_count(), plan) else None
+            self.resharder.reshard(host.global_rank, plan.world_size, sharding, local)
             report = self.manager.restore_in_place(host, spills)
         except Exception as err:  # noqa: BLE001 - half-way: the restart path takes over from the state before it
             self.manager.write_left_behind(spills)

@@ -87,7 +87,7 @@ def answer(sup: Supervisor, recovering: int | None) -> int | None:
         sup.regrow.ask(sup, world_size)
         return None
     retiring = list(range(world_size, sup.live_world))
-    if sup.args.nnodes != 1:
+    if sup.args.nnodes != 1 or sup.joined:
         shrink.refuse(sup.live_world, retiring, SEVERAL_MACHINES, "the launcher shrinks one-machine jobs only",
                       asked=True)
         return None

@@ -14,7 +14,8 @@ SIGKILLed when its launcher dies (``PR_SET_PDEATHSIG``); a launcher stopped by S
 
 A machine lost with its launcher is noticed by the launcher on machine 0 (the store's host): every launcher
 beats a counter in the store, and when one stops for ``--node-timeout`` seconds machine 0 hands that
-machine's ranks to its own spares, as for a lost process. Losing machine 0 loses the store: the job fails.
+machine's ranks to its own spares, as for a lost process. Losing machine 0 loses the store: the job fails. A machine
+may also join the running job, up to ``--max-nnodes`` (:mod:`.join`).
 
 A replacement takes the lost rank's device slot (``LOCAL_RANK``: with GPUs, the device) when no live rank on this
 machine holds it. On CPU a slot can be shared (a lost machine's ranks run beside machine 0's); when the job's ranks
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from torch.distributed import TCPStore
 
 from lightning_dlrover import worker_env
-from lightning_dlrover.fault.inplace import membership, priority, process_group, retire, zygote
+from lightning_dlrover.fault.inplace import join, membership, priority, process_group, retire, zygote
 from lightning_dlrover.fault.inplace.grow import Regrow
 from lightning_dlrover.fault.inplace.shrink import shrink_in_process
 from lightning_dlrover.fault.inplace.store import serve_store  # noqa: F401  (imported from here by cli/ and tests)
@@ -78,6 +79,9 @@ class Supervisor:
     regrow: Regrow = field(default_factory=Regrow)  # back to ``world_size`` after a shrink (``--regrow``)
     retiring: list[tuple[Worker, float]] = field(default_factory=list)  # ranks a shrink retires; since (monotonic)
     asked_answered: tuple[int, int] = (-1, 0)  # (generation, world size) of the last resize request answered
+    joined: set[int] = field(default_factory=set)  # on machine 0: machines that joined the running job (:mod:`.join`)
+    offered: list[int] = field(default_factory=list)  # on a joining machine: its spares offered, not yet ranks
+    capacity: int = 0  # the job's world group's C++ size, when a joining machine read it (0: from the options)
 
     @property
     def world_size(self) -> int:
@@ -91,8 +95,8 @@ class Supervisor:
         env.update(
             WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(a.nproc_per_node), GROUP_RANK=str(a.node_rank),
             MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True",
-            **{worker_env.RUN_ID: self.run_id, membership.STORE_ENV: a.master, membership.REGROW_ENV: str(int(a.regrow)),
-               process_group.MAX_WORLD_ENV: str(max(a.max_nproc_per_node, a.nproc_per_node) * a.nnodes)},
+            **{worker_env.RUN_ID: self.run_id, membership.STORE_ENV: a.master,
+               process_group.MAX_WORLD_ENV: str(self.capacity or join.capacity(self))},
         )  # fmt: skip
         if "OMP_NUM_THREADS" not in os.environ and a.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
             env["OMP_NUM_THREADS"] = "1"  # (read when OpenMP and OpenBLAS load: the zygote must import with it)
@@ -160,6 +164,9 @@ class Supervisor:
 
     def start(self) -> None:
         a = self.args
+        if join.joining_machine(self):  # its processes join the running job (join.offer), no rank of its own yet
+            return
+        join.publish_capacity(self.store, self.restarts, join.capacity(self))
         first = a.node_rank * a.nproc_per_node
         for local in range(a.nproc_per_node):
             self.spawn(first + local, local)
@@ -247,7 +254,7 @@ class Supervisor:
         slots = {rank: slot for rank, slot in self.device_slots(lost).items() if slot is not None}
         self.workers = [w for w in self.workers if w.rank not in lost]
         idle = [w for w in self.workers if w.rank is None and w.process.poll() is None]
-        if len(idle) < len(lost) and not self.args.cold_start and self.args.nnodes == 1:
+        if len(idle) < len(lost) and not self.args.cold_start and self.args.nnodes == 1 and not self.joined:
             return shrink_in_process(self, lost)
         replacements: dict[int, int] = {}
         cold: list[int] = []
@@ -301,7 +308,7 @@ class Supervisor:
         if node != 0:
             return []
         lost: list[int] = []
-        for other in sorted(set(range(1, self.args.nnodes)) - self.lost_nodes):
+        for other in sorted(set(join.machines(self)[1:]) - self.lost_nodes):
             count = membership.beats(self.store, self.restarts, other)
             if count == 0 or membership.is_done(self.store, self.restarts, other):
                 continue  # not started yet, or its ranks finished
@@ -334,14 +341,20 @@ class Supervisor:
     def others_finished(self) -> bool:
         """On machine 0: every other machine's ranks finished (or the machine is gone)."""
         return all(membership.is_done(self.store, self.restarts, n) or n in self.lost_nodes
-                   for n in range(1, self.args.nnodes))
+                   or (n >= self.args.nnodes and n not in self.joined) for n in join.machines(self)[1:])
 
     def run(self) -> int:
         """Watches the workers (and, on machine 0, the other machines) until every rank finished; its exit code."""
         self.start()
+        if join.joining_machine(self) and join.offer(self) is not None:
+            return 1
         recovering: int | None = None  # generation of the recovery in progress
         while True:
             time.sleep(self.args.monitor_interval)
+            if (left := join.taken(self)) is not None:
+                return 0 if left == join.JOB_ENDED else 1
+            if self.args.node_rank == 0 and (joined := join.admit(self, recovering)) is not None:
+                recovering = joined
             for spare in [w for w in self.workers if w.rank is None and w.process.poll() is not None]:
                 self.workers.remove(spare)  # a dead spare only shrinks the pool
             self.watch_zygote()

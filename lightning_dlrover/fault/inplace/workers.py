@@ -29,6 +29,7 @@ class SupervisorConfig:
     memory_limit_bytes: int | None = None  # the job's memory on this machine (None: the machine's), for a shrink
     regrow: bool = False  # after a shrink, start a process and grow back to the launch size in process (:mod:`.grow`)
     max_nproc_per_node: int = 0  # the most ranks this machine may run after grows the job asks for (0: nproc_per_node)
+    max_nnodes: int = 0  # the most machines the job may have: more may join it while it runs (0: nnodes; :mod:`.join`)
 
 
 @dataclass

@@ -1,0 +1,142 @@
+"""A machine joining a running job: ``lightning-dlrover launch --node-rank K`` with ``--nnodes <= K < --max-nnodes``,
+started while the job trains (``fault/inplace/join.py``). Its ranks join at a commit boundary and no running rank
+restarts; what a grow promises is checked on the whole training state: its digest after the grow equals the committed
+state's before it.
+
+Real processes: two launchers on 127.0.0.1 (machine 0 with its store, then machine 1), the user's own model
+(tests/scripts/user_model.py: Dropout, BatchNorm, exact Adagrad tables, Adam, its own StatefulDataLoader; k=1 r=1).
+The refusals run the supervisors for real on a real store, with plain ``python -c`` sleeps as their workers."""
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import sys
+import time
+
+import pytest
+
+from lightning_dlrover.cli.launch import parse
+from lightning_dlrover.fault.inplace import join, membership
+from lightning_dlrover.fault.inplace.supervisor import Supervisor, SupervisorConfig, serve_store
+from lightning_dlrover.monitor.events import read_events
+from tests.conftest import start
+from tests.fault.test_in_process import SCRIPT, free_port
+
+
+@pytest.mark.slow
+def test_a_machine_started_later_joins_the_running_job_in_process(tmp_path):
+    """Machine 0 runs 2 ranks with room for a second machine (``--max-nnodes 2``); once the job committed its first
+    step, machine 1's launcher starts (``--node-rank 1``, one rank): its process sets up beside training, and joins as
+    rank 2 at a commit boundary, while ranks 0 and 1 grow in their own processes with the state the job committed."""
+    events = tmp_path / "events.jsonl"
+    env = {"LIGHTNING_DLROVER_EVENTS": str(events), "LIGHTNING_DLROVER_PLAN_TIMEOUT": "20",
+           "LIGHTNING_DLROVER_VERIFY_RESIZE": "1"}
+    address = f"127.0.0.1:{free_port()}"
+    launcher = [sys.executable, "-m", "lightning_dlrover", "launch", "--max-nnodes", "2", "--master", address,
+                "--run-id", "joined", "--spares", "0"]
+    # 3 s a step while short: the job outlasts the new machine's set-up (imports and all) on a loaded machine
+    program = ["--", SCRIPT, "--steps", "24", "--root", str(tmp_path), "--slow-while-short", "3",
+               "--slow-until-world", "3"]
+    machine0 = start([*launcher, "--nproc-per-node", "2", *program], tmp_path, env)
+    machine1 = None
+    try:
+        store = membership.connect(address, timeout=300)
+        deadline = time.monotonic() + 300
+        while membership.committed(store, 0, 0) is None:  # the job trains: a machine is added to it now
+            assert time.monotonic() < deadline and machine0.poll() is None, "the job never committed a step"
+            time.sleep(0.2)
+        machine1 = start([*launcher, "--node-rank", "1", "--nproc-per-node", "1", *program], tmp_path, env)
+        out0, _ = machine0.communicate(timeout=400)
+        out1, _ = machine1.communicate(timeout=60)
+    finally:
+        for proc in (machine0, machine1):
+            with contextlib.suppress(ProcessLookupError, AttributeError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert (machine0.returncode, machine1.returncode) == (0, 0), (out0[-4000:], out1[-4000:])
+    found = read_events([events])
+    kinds = [e.kind for e in found]
+    assert not {"restarting_all", "in_process_refused", "grow_failed", "join_refused"} & set(kinds), out0[-4000:]
+    (offered,) = [e for e in found if e.kind == "join_offered"]
+    assert offered.fields["node"] == 1 and len(offered.fields["spares"]) == 1
+    (planned,) = [e for e in found if e.kind == "grow_planned"]
+    assert (planned.fields["node"], planned.fields["joined_ranks"], planned.fields["world_size"]) == (1, [2], 3)
+    grown = [e for e in found if e.kind == "grown_in_process"]
+    assert sorted((e.rank, e.fields["survivor"], e.fields["world_size"]) for e in grown) == [
+        (0, True, 3), (1, True, 3), (2, False, 3)]
+    assert len({e.step for e in grown}) == 1  # one commit boundary
+    assert next(e for e in grown if e.rank == 2).pid == offered.fields["pids"][0]  # the process machine 1 started
+    verified = next(e for e in found if e.kind == "resize_verified")
+    assert verified.fields["equal"] and verified.fields["world_size"] == 3 and verified.step == grown[0].step
+    final = next(e for e in found if e.kind == "digest" and e.fields["final"])
+    survivor0 = next(e for e in grown if e.rank == 0)
+    digest = re.findall(r"state digest: ([0-9a-f]{64})", out0)
+    assert digest and (final.step, final.pid, final.fields["digest"]) == (24, survivor0.pid, digest[-1])
+
+
+SLEEP = "import time; time.sleep(30)"
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """Machine 0's supervisor of a 2-rank job (sleeps) with room for ``--max-nnodes 2`` machines of 1 rank each:
+    2 ranks in all, so no machine's rank fits beside the running ones. Yields (machine 0, a new machine's config)."""
+    monkeypatch.setenv("LIGHTNING_DLROVER_EVENTS", str(tmp_path / "events.jsonl"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store, sock = serve_store(f"127.0.0.1:{port}")
+    common = dict(program=["-c", SLEEP], nnodes=1, nproc_per_node=1, spares=0, max_nnodes=2, zygote=False,
+                  master=f"127.0.0.1:{port}")
+    machine0 = Supervisor(SupervisorConfig(node_rank=0, **common), store, "test-join")
+    machine0.start()
+    machine0.live_world = 2  # (as after a grow by the job's own request: the room is used up)
+    try:
+        yield machine0, SupervisorConfig(node_rank=1, **common)
+    finally:
+        machine0.stop()
+        sock.close()
+
+
+def test_a_machine_past_the_jobs_room_is_refused_and_its_launcher_stops(job, tmp_path):
+    machine0, config1 = job
+    machine1 = Supervisor(config1, membership.connect(config1.master), "test-join")
+    try:
+        assert join.offer(machine1) is None and machine1.capacity == 2
+        (spare,) = machine1.offered
+        assert join.admit(machine0, None) is None  # its process has not said it waits yet
+        machine0.store.add(membership.PREFIX + f"0/waiting/{spare}", 1)  # (what the process says once set up)
+        assert join.admit(machine0, recovering=4) is None  # a recovery in progress: the join waits for it
+        assert join.admit(machine0, None) is None and 1 in machine0.joined  # refused: no generation published
+        assert join.taken(machine1) == join.CAPACITY
+    finally:
+        machine1.stop()
+    refused = [e for e in read_events([tmp_path / "events.jsonl"]) if e.kind == "join_refused"]
+    assert [(e.fields["node"], e.fields["why"]) for e in refused] == [(1, "capacity")] * 2
+    assert "launch every machine with a larger --max-nnodes" in refused[0].fields["reason"]
+    assert membership.is_done(machine0.store, 0, 1)  # machine 0 does not wait for it at the end
+    assert machine0.others_finished()
+
+
+def test_a_machine_whose_job_ended_before_it_joined_leaves(job, tmp_path):
+    machine0, config1 = job
+    machine1 = Supervisor(config1, membership.connect(config1.master), "test-join")
+    try:
+        assert join.offer(machine1) is None
+        assert join.taken(machine1) is None  # offered, waiting for its turn
+        membership.mark_done(machine0.store, 0, 0)
+        assert join.taken(machine1) == join.JOB_ENDED
+    finally:
+        machine1.stop()
+    (refused,) = [e for e in read_events([tmp_path / "events.jsonl"]) if e.kind == "join_refused"]
+    assert refused.fields["why"] == "job_ended" and "start this launcher again" in refused.fields["reason"]
+
+
+def test_room_for_more_machines_is_checked_up_front():
+    for extra in (["--max-nnodes", "1", "--nnodes", "2"], ["--max-nnodes", "2", "--node-rank", "2"],
+                  ["--max-nnodes", "2", "--no-in-process"]):
+        with pytest.raises(SystemExit):
+            parse(["--nproc-per-node", "2", *extra, "--", "train.py"])
+    assert parse(["--nproc-per-node", "2", "--", "train.py"]).max_nnodes == 1
+    assert parse(["--max-nnodes", "3", "--node-rank", "2", "--", "train.py"]).node_rank == 2
