@@ -25,20 +25,28 @@ from tests.conftest import start
 from tests.fault.test_in_process import SCRIPT, free_port
 
 
+def grown_rank(events, rank: int):
+    """The ``grown_in_process`` event of ``rank`` once it is written, else ``None``."""
+    found = read_events([events]) if events.exists() else []
+    return next((e for e in found if e.kind == "grown_in_process" and e.rank == rank), None)
+
+
 @pytest.mark.slow
-def test_a_machine_started_later_joins_the_running_job_in_process(tmp_path):
+def test_a_machine_started_later_joins_the_running_job_in_process_and_its_lost_rank_is_replaced(tmp_path):
     """Machine 0 runs 2 ranks with room for a second machine (``--max-nnodes 2``); once the job committed its first
     step, machine 1's launcher starts (``--node-rank 1``, one rank): its process sets up beside training, and joins as
-    rank 2 at a commit boundary, while ranks 0 and 1 grow in their own processes with the state the job committed."""
+    rank 2 at a commit boundary, while ranks 0 and 1 grow in their own processes with the state the job committed.
+    Then rank 2's process is killed: machine 1's launcher replaces it in process, as any machine's."""
     events = tmp_path / "events.jsonl"
     env = {"LIGHTNING_DLROVER_EVENTS": str(events), "LIGHTNING_DLROVER_PLAN_TIMEOUT": "20",
            "LIGHTNING_DLROVER_VERIFY_RESIZE": "1"}
     address = f"127.0.0.1:{free_port()}"
     launcher = [sys.executable, "-m", "lightning_dlrover", "launch", "--max-nnodes", "2", "--master", address,
                 "--run-id", "joined", "--spares", "0"]
-    # 3 s a step while short: the job outlasts the new machine's set-up (imports and all) on a loaded machine
+    # 3 s a step while short: the job outlasts the new machine's set-up (imports and all) on a loaded machine; 0.3 s
+    # after: the kill lands before the end
     program = ["--", SCRIPT, "--steps", "24", "--root", str(tmp_path), "--slow-while-short", "3",
-               "--slow-until-world", "3"]
+               "--slow-until-world", "3", "--slow-after", "0.3"]
     machine0 = start([*launcher, "--nproc-per-node", "2", *program], tmp_path, env)
     machine1 = None
     try:
@@ -48,6 +56,10 @@ def test_a_machine_started_later_joins_the_running_job_in_process(tmp_path):
             assert time.monotonic() < deadline and machine0.poll() is None, "the job never committed a step"
             time.sleep(0.2)
         machine1 = start([*launcher, "--node-rank", "1", "--nproc-per-node", "1", *program], tmp_path, env)
+        while (joined := grown_rank(events, 2)) is None:
+            assert time.monotonic() < deadline and machine0.poll() is None, "machine 1's rank never joined"
+            time.sleep(0.1)
+        os.kill(joined.pid, signal.SIGKILL)
         out0, _ = machine0.communicate(timeout=400)
         out1, _ = machine1.communicate(timeout=60)
     finally:
@@ -66,13 +78,18 @@ def test_a_machine_started_later_joins_the_running_job_in_process(tmp_path):
     assert sorted((e.rank, e.fields["survivor"], e.fields["world_size"]) for e in grown) == [
         (0, True, 3), (1, True, 3), (2, False, 3)]
     assert len({e.step for e in grown}) == 1  # one commit boundary
-    assert next(e for e in grown if e.rank == 2).pid == offered.fields["pids"][0]  # the process machine 1 started
+    assert joined.pid == offered.fields["pids"][0]  # the process machine 1 started
     verified = next(e for e in found if e.kind == "resize_verified")
     assert verified.fields["equal"] and verified.fields["world_size"] == 3 and verified.step == grown[0].step
+    (replaced,) = [e for e in found if e.kind == "replacement_planned"]
+    assert replaced.pid == machine1.pid and replaced.fields["lost_ranks"] == [2]  # by machine 1's launcher
+    recovered = [e for e in found if e.kind == "recovered_in_process"]
+    assert sorted((e.rank, e.fields["survivor"]) for e in recovered) == [(0, True), (1, True), (2, False)]
+    survivors = {e.rank: e.pid for e in grown if e.fields["survivor"]}
+    assert {e.rank: e.pid for e in recovered if e.fields["survivor"]} == survivors  # the same processes throughout
     final = next(e for e in found if e.kind == "digest" and e.fields["final"])
-    survivor0 = next(e for e in grown if e.rank == 0)
     digest = re.findall(r"state digest: ([0-9a-f]{64})", out0)
-    assert digest and (final.step, final.pid, final.fields["digest"]) == (24, survivor0.pid, digest[-1])
+    assert digest and (final.step, final.pid, final.fields["digest"]) == (24, survivors[0], digest[-1])
 
 
 SLEEP = "import time; time.sleep(30)"

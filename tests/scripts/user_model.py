@@ -187,12 +187,12 @@ class SlowWhileShort(pl.Callback):
     """Sleeps ``seconds`` per step while the job runs below the world size it was launched with, or ``until`` ranks (a
     job that lasts long enough for a grow in process to land on a loaded machine)."""
 
-    def __init__(self, seconds: float, until: int = 0) -> None:
+    def __init__(self, seconds: float, until: int = 0, always: float = 0.0) -> None:
         self.seconds, self.launched = seconds, until or int(os.environ.get("WORLD_SIZE", "1"))
+        self.always = always
 
     def on_train_batch_start(self, trainer, *args) -> None:
-        if trainer.world_size < self.launched:
-            time.sleep(self.seconds)
+        time.sleep(self.seconds if trainer.world_size < self.launched else self.always)
 
 
 class ReplanAt(pl.Callback):
@@ -253,6 +253,8 @@ def main() -> None:
                              "size a --resize-at grow asked for")
     parser.add_argument("--slow-until-world", type=int, default=0, metavar="N",
                         help="with --slow-while-short: sleep while the job runs below N ranks (a machine that joins)")
+    parser.add_argument("--slow-after", type=float, default=0.0, metavar="S",
+                        help="with --slow-while-short: sleep S seconds per step once the job is no longer short")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--async-ckpt", nargs="?", const=True, default=False, choices=[True, "precopy"],
                         help="DLRoverStrategy(async_checkpoint=True), or ='precopy'")
@@ -265,7 +267,7 @@ def main() -> None:
     parity = None if args.parity == "none" else "auto" if args.parity == "auto" else ParityConfig.parse(args.parity)
     callbacks = []
     if args.slow_while_short:
-        callbacks.append(SlowWhileShort(args.slow_while_short, args.slow_until_world))
+        callbacks.append(SlowWhileShort(args.slow_while_short, args.slow_until_world, args.slow_after))
     if args.advisor or args.advisor_ranks:  # the advisor applies what it finds
         # --advisor-ranks: the cost objective over that many ranks only (one cheaper candidate: fewer ranks, whatever
         # the timings), as a job on a machine with fewer free cores than ranks would be advised

@@ -85,7 +85,8 @@ class Supervisor:
 
     @property
     def world_size(self) -> int:
-        return self.args.nnodes * self.args.nproc_per_node
+        """The launch's world size; on a machine that joined the job, the job's size when it joined."""
+        return self.live_world if join.joining_machine(self) else self.args.nnodes * self.args.nproc_per_node
 
     def job_env(self) -> dict[str, str]:
         """What every worker of this machine is told alike (the zygote imports with it)."""
@@ -249,7 +250,8 @@ class Supervisor:
         (the oldest first; a new process where none is left), publishes the recovery plan for the survivors and
         refills the pool of hot spares; returns its generation (``None``: they were started again, see below)."""
         dead = [w for w in self.workers if w.rank in lost and w.process.poll() is not None]
-        if len(dead) == len(lost) and not any(process_group.started(self.store, self.restarts, r) for r in lost):
+        if len(dead) == len(lost) and not any(process_group.started(self.store, self.restarts, r) for r in lost) \
+                and all(w.spare is None for w in dead):  # (a rank a spare took joined a later generation)
             return self.start_again(lost)
         slots = {rank: slot for rank, slot in self.device_slots(lost).items() if slot is not None}
         self.workers = [w for w in self.workers if w.rank not in lost]
