@@ -150,6 +150,31 @@ def test_a_machine_whose_job_ended_before_it_joined_leaves(job, tmp_path):
     assert refused.fields["why"] == "job_ended" and "start this launcher again" in refused.fields["reason"]
 
 
+def test_a_joined_machine_leaves_when_the_job_restarts_every_worker(job, tmp_path):
+    """Machine 1's process took rank 1 of a job grown to 2 ranks (machine 0 at 1 rank, as after a shrink); then machine
+    0 restarts every worker (its next launch beats): machine 1's ranks are not in the new launch, and its launcher
+    leaves, saying so."""
+    machine0, config1 = job
+    machine0.live_world = 1
+    machine1 = Supervisor(config1, membership.connect(config1.master), "test-join")
+    try:
+        assert join.offer(machine1) is None
+        (spare,) = machine1.offered
+        machine0.store.add(membership.PREFIX + f"0/waiting/{spare}", 1)
+        generation = join.admit(machine0, None)
+        assert generation is not None and machine0.live_world == 2
+        assert join.taken(machine1) is None  # its process took its rank
+        assert [w.rank for w in machine1.workers] == [1] and machine1.live_world == 2
+        assert membership.node_ranks(machine0.store, 0, 1) == [1]
+        assert join.taken(machine1) is None  # a member of the job
+        membership.heartbeat(machine0.store, 1, 0)  # machine 0's launcher in its next launch
+        assert join.taken(machine1) == join.JOB_ENDED
+    finally:
+        machine1.stop()
+    (refused,) = [e for e in read_events([tmp_path / "events.jsonl"]) if e.kind == "join_refused"]
+    assert refused.fields["why"] == "job_ended" and "restarted every worker" in refused.fields["reason"]
+
+
 def test_room_for_more_machines_is_checked_up_front():
     for extra in (["--max-nnodes", "1", "--nnodes", "2"], ["--max-nnodes", "2", "--node-rank", "2"],
                   ["--max-nnodes", "2", "--no-in-process"]):

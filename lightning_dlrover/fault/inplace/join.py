@@ -18,8 +18,11 @@ launcher publishes and a joining machine's processes take.
 
 The edges: a join past the capacity is refused with the reason (``join_refused``; machine K stops its processes); a
 join offered during a recovery waits for it; a loss while the job grows is a loss during a recovery (every worker
-restarts from its spills); the job finishing (or restarting every worker, which returns it to its launch size) before
-the join ends machine K's launcher, with its processes stopped and the reason (``join_refused``).
+restarts from its spills); the job finishing before the join, or restarting every worker (which returns it to its
+launch size) at any time, ends machine K's launcher, with its processes stopped and the reason (``join_refused``).
+
+Store keys (under ``lightning_dlrover/<launch>/``, beside :mod:`.membership`'s): ``capacity`` (machine 0's),
+``join/<K>`` (the spare indices machine K offers), ``join_refused/<K>`` (``[why, reason]``, machine 0's answer).
 """
 
 from __future__ import annotations
@@ -114,9 +117,13 @@ def taken(sup: Supervisor) -> str | None:
     """On machine K, from its loop: its offered processes that were handed ranks become its ranks. Why it leaves
     before they joined (a ``join_refused`` ``why``), or ``None``."""
     pending = [w for w in sup.workers if w.rank is None and w.spare in sup.offered]
-    if not pending:
-        return None
     store, launch = sup.store, sup.restarts
+    if not pending:  # joined (or not a joining machine): it leaves only when the job restarts every worker
+        with contextlib.suppress(RuntimeError):  # (the store gone: machine 0 ended, this machine's ranks end too)
+            if joining_machine(sup) and current_launch(store) != launch:
+                return refuse(sup, JOB_ENDED, "the job restarted every worker at its launch size: this machine's ranks "
+                              "left it; start this launcher again to join the new run")
+        return None
     try:
         refused = membership.PREFIX + f"{launch}/join_refused/{sup.args.node_rank}"
         if store.check([refused]):
