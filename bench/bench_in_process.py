@@ -29,7 +29,8 @@ Same job as ``bench/bench_recovery.py`` (the chaos config with 26 tables of ``--
 - ``in-process machine``: no fault; the job is launched with room for a second machine (``launch --max-nnodes 2``)
   and once it committed its first step a second launcher starts (``--node-rank 1``, one rank, on this machine: a
   machine added to the job): its process sets up, and it joins as rank ``--ranks`` at a commit. Its row as the
-  grow's; the set-up is from the second launcher's offer to machine 0's grow plan;
+  grow's; the set-up is from the second launcher's offer to machine 0's grow plan (``--machine-steps`` steps after
+  ``--at-step``: the second launcher imports everything in a warm process of its own first);
 - ``dcp``, ``parity restart``: ``bench_recovery.measure`` in the same run (2 ``torchrun`` agents x 2 ranks, node
   0 killed, every worker restarted; a checkpoint at the kill step for ``dcp``, spills for ``parity``).
 
@@ -128,7 +129,7 @@ def free_port() -> int:
 
 def asked(rows: int, args: argparse.Namespace, workdir: Path, what: str) -> dict[str, float]:
     """The re-plan, retire, join or machine drill (see the module docs); timings from its events."""
-    end = args.at_step + (args.grow_steps if what in ("join", "machine") else args.after_steps)
+    end = args.at_step + {"join": args.grow_steps, "machine": args.machine_steps}.get(what, args.after_steps)
     config_path = bench_recovery.job_config(rows, args.dim, "parity", args.at_step, end, workdir)
     config = yaml.safe_load(config_path.read_text())
     hot = {f"t_cat_{i}": 20.0 for i in range(0, 26, 4)}
@@ -268,6 +269,9 @@ def main() -> None:
     parser.add_argument("--after-steps", type=int, default=6)
     parser.add_argument("--grow-steps", type=int, default=60,
                         help="in-process grow: steps after the kill (the new process sets up meanwhile)")
+    parser.add_argument("--machine-steps", type=int, default=400,
+                        help="steps after --at-step of the machine drill: the second launcher starts its own warm "
+                             "process and sets up meanwhile")
     parser.add_argument("--methods", nargs="+", default=["in-process hot", "in-process cold", "parity restart", "dcp"])
     parser.add_argument("--base-rows", type=int, default=1_000,
                         help="rows per table of the drill whose total is the part that does not grow with the state "
