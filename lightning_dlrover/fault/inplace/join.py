@@ -82,7 +82,8 @@ def offer(sup: Supervisor) -> str | None:
     ``None``."""
     a = sup.args
     sup.restarts = current_launch(sup.store)
-    sup.capacity = job_capacity(sup.store, sup.restarts, wait_s=60.0) or 0  # its processes' world group has the job's C++ size
+    # its processes' world group must have the job's C++ size (machine 0 may still be starting: wait for it)
+    sup.capacity = job_capacity(sup.store, sup.restarts, wait_s=60.0) or 0
     if not sup.capacity:
         refuse(sup, CAPACITY, f"no job at {a.master} says how large it may grow (launch machine 0 of the job with "
                f"--max-nnodes {a.node_rank + 1} or more)")
