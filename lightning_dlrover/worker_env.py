@@ -5,6 +5,7 @@ them through this module, so the names and their defaults live here only."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import psutil
@@ -13,6 +14,10 @@ import psutil
 #: command line cannot be read (it wins over ``--nnodes MIN:MAX``).
 MIN_NODES_ENV = "LIGHTNING_DLROVER_MIN_NODES"
 
+
+#: Set by ``lightning-dlrover launch --max-nnodes M`` (room for more machines): JSON ``{"max_nnodes", "nproc_per_node",
+#: "master"}``, what a launcher on a new machine needs to join the running job (:func:`join_room`).
+JOIN_ENV = "LIGHTNING_DLROVER_JOIN"
 
 #: Variables the launcher sets (``lightning-dlrover launch`` writes them under these names too).
 RUN_ID = "TORCHELASTIC_RUN_ID"
@@ -23,6 +28,13 @@ LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 def under_torchrun() -> bool:
     """Whether this process is a worker of ``torchrun``'s elastic agent."""
     return RUN_ID in os.environ
+
+
+def join_room() -> dict | None:
+    """``{"max_nnodes", "nproc_per_node", "master"}`` when machines may join this job in process (``launch
+    --max-nnodes``), else ``None``."""
+    raw = os.environ.get(JOIN_ENV)
+    return json.loads(raw) if raw else None
 
 
 def run_id() -> str:

@@ -118,13 +118,14 @@ class Actor:
 
     def decide_restart(self, trainer: Trainer, target: ResourceConfig) -> RestartDecision | None:
         """Decides how to reach ``target`` (every rank); with ``restart="stop"`` saves the checkpoint (collective)."""
-        from lightning_dlrover.worker_env import node_range
+        from lightning_dlrover.advisor.restart import joins
+        from lightning_dlrover.worker_env import join_room, node_range
 
-        checkpoint = None
-        if self.config.restart == "stop" and control.needs_restart(self.current, target, self.controls):
+        checkpoint, pending, room = None, control.needs_restart(self.current, target, self.controls), join_room()
+        if self.config.restart == "stop" and pending and not joins(self.current, target, pending, room):
             out = self.config.report_path(trainer.default_root_dir)
             checkpoint = str((out / f"restart-step={trainer.global_step}.ckpt").resolve())
             trainer.save_checkpoint(checkpoint)
         self.restart = decide_restart(self.current, target, self.controls, program_argv(), self.config.restart,
-                                      checkpoint, node_range())
+                                      checkpoint, node_range(), room)
         return self.restart

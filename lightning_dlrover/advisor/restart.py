@@ -8,6 +8,9 @@ Two ways, chosen by :func:`decide_restart`:
   (``--ckpt_path``). Whoever runs the job (a person, a scheduler, ``bench/bench_advisor.py``) relaunches it.
 - ``instructions``: nothing is stopped; the command, the config change and the Kubernetes replica change are
   printed and recorded (``restart="print"``, the default).
+- ``join``: more machines for a job under ``lightning-dlrover launch --max-nnodes`` with room for them: nothing is
+  stopped (in either mode); the command to run on each new machine is printed, and its ranks join the running job
+  at a commit (``lightning_dlrover.fault.inplace.join``).
 
 Under ``torchrun`` with an elastic node range, a shrink to fewer nodes inside the range is one the launcher
 honours without a new command: when the surplus nodes' agents stop, the survivors' agent restarts its workers
@@ -34,7 +37,8 @@ class RestartDecision:
     """How the job moves to ``target``.
 
     Attributes:
-        how: ``checkpoint`` (stop now, resume from a checkpoint) or ``instructions`` (print only).
+        how: ``checkpoint`` (stop now, resume from a checkpoint), ``instructions`` (print only) or ``join`` (start
+            ``command`` on each new machine; the job grows in process).
         pending: the knobs that need the restart (``nodes``, ``ranks_per_node``, ...).
         command: the ``torchrun`` line that starts the job with ``target`` (with ``--ckpt_path`` when stopping).
         config: LightningCLI keys to change.
@@ -61,6 +65,10 @@ class RestartDecision:
         lines = [f"Restart needed for: {', '.join(self.pending)} ({self.current.short()} -> {self.target.short()})"]
         if self.how == "checkpoint":
             lines.append(f"  stopped at a step boundary; state saved to {self.checkpoint}")
+        if self.how == "join":
+            lines[0] = (f"More machines ({self.current.short()} -> {self.target.short()}): no restart; run on each new "
+                        "machine (its ranks join the running job at a commit):")
+            return "\n".join(lines + ["  " + line for line in self.command.split(" ; ")])
         lines.append("  command:  " + self.command)
         if self.config:
             lines.append("  config:   " + ", ".join(f"{k}={v}" for k, v in self.config.items()))
@@ -89,17 +97,24 @@ class RestartDecision:
 
 def decide_restart(current: ResourceConfig, target: ResourceConfig, callbacks: Any, program: list[str],
                    mode: RestartMode = "print", checkpoint: str | None = None,
-                   node_range: tuple[int, int] | None = None) -> RestartDecision | None:
+                   node_range: tuple[int, int] | None = None, join_room: dict | None = None) -> RestartDecision | None:
     """The decision for moving from ``current`` to ``target`` (``None`` when every change is live).
 
     ``mode="stop"`` with a ``checkpoint`` path: stop and resume from it; otherwise print. ``node_range`` is the
-    elastic ``(min, max)`` nodes under ``torchrun`` (``lightning_dlrover.worker_env.node_range``).
+    elastic ``(min, max)`` nodes under ``torchrun`` (``lightning_dlrover.worker_env.node_range``); ``join_room``
+    the room for machines joining under ``launch`` (``lightning_dlrover.worker_env.join_room``).
     """
     if mode not in ("print", "stop"):
         raise ValueError(f"ResourceAdvisor(restart={mode!r}) must be 'print' or 'stop'.")
     pending = tuple(control.needs_restart(current, target, callbacks))
     if not pending:
         return None
+    if joins(current, target, pending, join_room):
+        launch = (f"lightning-dlrover launch --max-nnodes {join_room['max_nnodes']} --nproc-per-node "
+                  f"{join_room['nproc_per_node']} --master {join_room['master']}")
+        each = [f"{launch} --node-rank {k} -- {' '.join(program)}" for k in range(current.nodes, target.nodes)]
+        return RestartDecision("join", current, target, pending, " ; ".join(each), {},
+                               control.kubernetes_patch(current, target, 1.0))
     stopping = mode == "stop" and checkpoint is not None
     resume = resume_program(program, current, target, checkpoint if stopping else None)
     max_nodes = node_range[1] if node_range else None
@@ -109,6 +124,12 @@ def decide_restart(current: ResourceConfig, target: ResourceConfig, callbacks: A
         command=control.torchrun_command(target, resume, max_nodes), config=control.config_changes(current, target),
         kubernetes=control.kubernetes_patch(current, target, 1.0), launcher_honours=honours,
         stop_nodes=tuple(range(target.nodes, current.nodes)) if honours else (), checkpoint=checkpoint if stopping else None)
+
+
+def joins(current: ResourceConfig, target: ResourceConfig, pending: Any, join_room: dict | None) -> bool:
+    """Whether the job reaches ``target`` by machines joining it in process: only more machines are pending, and the
+    job was launched with room for them."""
+    return bool(join_room) and tuple(pending) == ("nodes",) and current.nodes < target.nodes <= join_room["max_nnodes"]
 
 
 #: ``lightning-dlrover`` / LightningCLI subcommands whose command line takes ``--trainer.*`` / ``--data.*`` keys.

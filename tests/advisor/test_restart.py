@@ -101,3 +101,22 @@ def test_resume_command_carries_the_recommended_global_batch_through_the_cli(cap
     # a program that is not a LightningCLI gets only --ckpt_path (its own flags are its own)
     plain = decide_restart(current, target, [], ["train.py", "--batch", "256"], mode="stop", checkpoint="/r/x.ckpt")
     assert plain.command.endswith("train.py --batch 256 --ckpt_path=/r/x.ckpt")
+
+
+def test_more_machines_for_a_job_with_room_to_join_are_a_command_per_machine_not_a_restart():
+    """Under ``lightning-dlrover launch --max-nnodes 4`` (the room the launcher tells its workers): the advice for more
+    machines is the launch command to run on each new machine, never a stop, in either mode; beyond the room, or
+    with another change pending, the restart advice stays."""
+    room = {"max_nnodes": 4, "nproc_per_node": 2, "master": "10.0.0.1:29500"}
+    two = CURRENT.with_(nodes=2)
+    for mode in ("print", "stop"):
+        d = decide_restart(two, CURRENT, [], ["train.py", "--config", "job.yaml"], mode=mode, checkpoint="/r/x.ckpt",
+                           join_room=room)
+        assert d.how == "join" and d.pending == ("nodes",) and d.checkpoint is None
+        assert d.command == ("lightning-dlrover launch --max-nnodes 4 --nproc-per-node 2 --master 10.0.0.1:29500 "
+                             "--node-rank 2 -- train.py --config job.yaml")
+        assert "no restart; run on each new machine" in d.text() and "Resume" not in d.text()
+    assert decide_restart(CURRENT.with_(nodes=1), CURRENT, [], ["t.py"], join_room=room).command.count("--node-rank") == 2
+    assert decide_restart(two, CURRENT.with_(nodes=5), [], ["t.py"], join_room=room).how == "instructions"  # no room
+    assert decide_restart(two, CURRENT.with_(ranks_per_node=1), [], ["t.py"], join_room=room).how == "instructions"
+    assert decide_restart(CURRENT, two, [], ["t.py"], join_room=room).how == "instructions"  # fewer machines

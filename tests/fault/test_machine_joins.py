@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from lightning_dlrover import worker_env
 from lightning_dlrover.cli.launch import parse
 from lightning_dlrover.fault.inplace import join, membership
 from lightning_dlrover.fault.inplace.supervisor import Supervisor, SupervisorConfig, serve_store
@@ -116,8 +117,11 @@ def job(tmp_path, monkeypatch):
         sock.close()
 
 
-def test_a_machine_past_the_jobs_room_is_refused_and_its_launcher_stops(job, tmp_path):
+def test_a_machine_past_the_jobs_room_is_refused_and_its_launcher_stops(job, tmp_path, monkeypatch):
     machine0, config1 = job
+    told = machine0.job_env()  # what its workers read: the room, and what a new machine's launcher needs (the advisor)
+    monkeypatch.setenv(worker_env.JOIN_ENV, told[worker_env.JOIN_ENV])
+    assert worker_env.join_room() == {"max_nnodes": 2, "nproc_per_node": 1, "master": config1.master}
     machine1 = Supervisor(config1, membership.connect(config1.master), "test-join")
     try:
         assert join.offer(machine1) is None and machine1.capacity == 2

@@ -33,6 +33,7 @@ import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from lightning_dlrover import worker_env
 from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.fault.inplace.spare import SETUP_ENV
 from lightning_dlrover.monitor.events import emit
@@ -186,6 +187,16 @@ def from_another_machine(store: Store, launch: int, plan: membership.Plan) -> bo
     assignments give their machine's rank count), not from this machine's launcher."""
     spare = next(iter(plan.replacements.values()))
     return json.loads(membership._get(store, f"{launch}/assign/{spare}")).get("local_world_size") is not None
+
+
+def room_env(sup: Supervisor) -> dict[str, str]:
+    """What the workers are told when machines may join (:data:`~lightning_dlrover.worker_env.JOIN_ENV`: the resource
+    advisor names the command that adds one), else nothing."""
+    a = sup.args
+    if len(machines(sup)) <= a.nnodes:
+        return {}
+    room = {"max_nnodes": a.max_nnodes, "nproc_per_node": a.nproc_per_node, "master": a.master}
+    return {worker_env.JOIN_ENV: json.dumps(room)}
 
 
 def joining_machine(sup: Supervisor) -> bool:

@@ -99,6 +99,7 @@ class Supervisor:
             **{worker_env.RUN_ID: self.run_id, membership.STORE_ENV: a.master,
                process_group.MAX_WORLD_ENV: str(self.capacity or join.capacity(self))},
         )  # fmt: skip
+        env.update(join.room_env(self))
         if "OMP_NUM_THREADS" not in os.environ and a.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
             env["OMP_NUM_THREADS"] = "1"  # (read when OpenMP and OpenBLAS load: the zygote must import with it)
         return env
