@@ -165,7 +165,7 @@ def admit(sup: Supervisor, recovering: int | None) -> int | None:
         if not all(membership.is_waiting(store, launch, s) for s in spares):
             continue
         sup.joined.add(node)
-        room = job_capacity(store, launch) or sup.live_world
+        room = capacity(sup)  # (what this launcher published: no need to read it back from the store)
         if sup.live_world + len(spares) > room:
             refuse(sup, CAPACITY, f"the job runs {sup.live_world} ranks and its world group has room for {room}: "
                    f"{len(spares)} more do not fit (launch every machine with a larger --max-nnodes)", node)
