@@ -32,7 +32,14 @@ try:
     trainer.fit(DLRMModule(sizes, embedding_dim=8, dense_arch_layer_sizes=[16, 8]),
                 DLRMDataModule(num_embeddings_per_feature=sizes, global_batch_size=8))
 except ValueError as err:
-    print(f"REFUSED local_rank={os.environ.get('LOCAL_RANK', '-')}: {err}", flush=True)
+    rank = os.environ.get('LOCAL_RANK', '-')
+    print(f"REFUSED local_rank={rank}: {err}", flush=True)
+    if rank != '-':  # under torchrun: wait (no collective) until every rank refused, or torchrun would
+        import pathlib, time  # SIGTERM a slower rank as soon as the first one exits, before it could say so
+        pathlib.Path(f"refused_{rank}").touch()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(pathlib.Path(f"refused_{r}").exists() for r in "01"):
+            time.sleep(0.05)
     raise SystemExit(3)
 print("TRAINED", flush=True)
 """
