@@ -155,7 +155,7 @@ def ingestion(args, paths) -> list[dict]:
         default_grid,
         run_ingestion,
     )
-    from lightning_dlrover.pipeline_tuner.observe import available_cores
+    from lightning_dlrover.machine import available_cores
     from lightning_dlrover.pipeline_tuner.report import plot, table
 
     source = CriteoTSV(paths, SIZES)
@@ -216,7 +216,7 @@ def train_worker(args) -> None:
     from lightning_dlrover import DLRoverStrategy, PipelineTuner, ThroughputMonitor
     from lightning_dlrover.data import DLRMDataModule
     from lightning_dlrover.models import DLRMModule
-    from lightning_dlrover.pipeline_tuner.observe import available_cores
+    from lightning_dlrover.machine import available_cores
 
     warnings.filterwarnings("ignore")
     variant, devices = args.train_worker, args.devices

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dlrover"
 #: that :data:`SIDEWAYS` allows.
 LAYERS = {
     # bottom: knows nothing of Lightning's trainer loop or of fault tolerance
-    "_lazy": 0, "worker_env": 0, "control_plane": 0, "log": 0, "torchrec_glue": 0, "lightning_glue": 0,
+    "_lazy": 0, "worker_env": 0, "machine": 0, "control_plane": 0, "log": 0, "torchrec_glue": 0, "lightning_glue": 0,
     "parity": 0, "checkpoint": 0, "data": 0, "models": 0, "monitor": 0,
     # middle: fault tolerance and the tuning add-ons
     "fault": 1, "elastic": 1, "pipeline_tuner": 1, "advisor": 1, "export": 1, "planner": 1,
@@ -37,7 +37,7 @@ SIDEWAYS = {
     ("__main__", "cli"),
     ("lightning_glue", "torchrec_glue"),  # the DDP inside TorchRec's DistributedModelParallel
 }
-SIDEWAYS |= {(a, b) for a in LAYERS for b in LAYERS if LAYERS[a] == 0 and LAYERS[b] == 0 and b in ("_lazy", "log", "worker_env", "control_plane")}
+SIDEWAYS |= {(a, b) for a in LAYERS for b in LAYERS if LAYERS[a] == 0 and LAYERS[b] == 0 and b in ("_lazy", "log", "worker_env", "machine", "control_plane")}
 
 #: Framework internals and the one module allowed to name them.
 PRIVATES = {

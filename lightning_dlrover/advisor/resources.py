@@ -4,16 +4,10 @@
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
-import psutil
-
-#: cgroup files holding a memory limit (v2, then v1); "max" or a huge number means none.
-_CGROUP_MEMORY = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
-_NO_LIMIT = 1 << 60
+from lightning_dlrover.machine import available_cores, memory_limit_bytes
 
 
 @dataclass(frozen=True)
@@ -89,39 +83,6 @@ class Machine:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on: the affinity mask, capped by a cgroup CPU quota."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    quota = None
-    try:
-        text = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        if text[0] != "max":
-            quota = int(text[0]) / int(text[1])
-    except (OSError, ValueError, IndexError):
-        try:
-            q = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
-            period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
-            quota = q / period if q > 0 else None
-        except (OSError, ValueError):
-            pass
-    if quota is not None:
-        cores = min(cores, max(1, int(quota)))
-    return max(1, cores)
-
-
-def memory_limit_bytes() -> int:
-    """The memory this process's cgroup may use, or the machine's physical memory when there is no limit."""
-    physical = psutil.virtual_memory().total
-    for path in _CGROUP_MEMORY:
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text != "max" and int(text) < _NO_LIMIT:
-            return min(int(text), physical)
-    return physical
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from lightning_dlrover.advisor.resources import memory_limit_bytes
+from lightning_dlrover.machine import memory_limit_bytes
 from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.fault.inplace.supervisor import Supervisor, SupervisorConfig, serve_store
 

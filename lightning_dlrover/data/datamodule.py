@@ -106,7 +106,8 @@ class DLRMDataModule(pl.LightningDataModule):
     def _machine_pipeline(self) -> PipelineConfig | None:
         """The pipeline's start when ``data.pipeline`` names no workers: for this node's ranks and each trainer's
         threads (a CPU trainer's intra-op threads, one for an accelerator); ``None`` when it names some."""
-        from lightning_dlrover.data.staged.config import STAGES, available_cores, for_machine
+        from lightning_dlrover.data.staged.config import STAGES, for_machine
+        from lightning_dlrover.machine import available_cores
 
         if {*STAGES, "prefetch"} & set(self.hparams.pipeline):
             return None

@@ -20,7 +20,8 @@ import psutil
 
 from lightning_dlrover.data.staged import STAGES, PipelineConfig
 from lightning_dlrover.pipeline_tuner.agent import Decision, shrink
-from lightning_dlrover.pipeline_tuner.observe import Budget, MemoryGuard, Observation, available_cores
+from lightning_dlrover.machine import available_cores
+from lightning_dlrover.pipeline_tuner.observe import Budget, MemoryGuard, Observation
 
 
 class FixedTuner:

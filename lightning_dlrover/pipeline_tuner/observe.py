@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import psutil
 
 from lightning_dlrover.data.staged import STAGES, PipelineConfig, PipelinedLoader, PipelineStats
-from lightning_dlrover.data.staged.config import available_cores, stage_methods
+from lightning_dlrover.data.staged.config import stage_methods
+from lightning_dlrover.machine import available_cores
 
 #: Memory of one stage worker process assumed before any has been measured.
 PRIOR_WORKER_BYTES = 96 << 20

@@ -160,7 +160,7 @@ class GridSweep(pl.Callback):
         else:
             values = values[None]
         if trainer.is_global_zero:
-            from lightning_dlrover.advisor.resources import available_cores
+            from lightning_dlrover.machine import available_cores
             from lightning_dlrover.advisor.runtime import background_cores
 
             threads, workers, batch = self.segments[self.i]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Literal
+
+from lightning_dlrover.machine import available_cores
 
 STAGES = ("read", "parse", "transform", "assemble")
 Method = Literal["thread", "process"]
@@ -62,14 +63,6 @@ class PipelineConfig:
 INLINE = PipelineConfig(0, 0, 0, 0, 0)
 #: The start where the trainer leaves no core free: every stage inline, in one prefetch thread.
 FEW_CORES = PipelineConfig(0, 0, 0, 0, 1)
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def for_machine(ranks_per_node: int = 1, trainer_threads: int = 1, cores: int | None = None) -> PipelineConfig:

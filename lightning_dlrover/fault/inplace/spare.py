@@ -35,6 +35,7 @@ from torch.distributed import Store
 from lightning_dlrover.fault.coding import reserve
 from lightning_dlrover.fault.inplace import membership, priority
 from lightning_dlrover.log import get_logger
+from lightning_dlrover.machine import available_cores
 from lightning_dlrover.monitor import emit
 from lightning_dlrover.worker_env import restart_count
 
@@ -66,8 +67,7 @@ def sets_up_late() -> bool:
         return choice == "late"
     if choice != "auto":
         log.warning(f"${SETUP_ENV}={choice!r} is not one of early, late, auto: choosing by the machine's cores")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores <= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return available_cores() <= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def wait_before_program() -> membership.Assignment | None:
