@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import psutil
 
 from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace.store import has_key
 from lightning_dlrover.monitor.events import Event, configure, emit
 
 
@@ -84,8 +85,8 @@ class Killer:
         """The process holding ``rank`` now, ``None`` while there is none (a restart in progress)."""
         if self._store is not None:
             launch = sum(e.kind == "restarting_all" for e in events)
-            key = f"{membership.PREFIX}{launch}/rank/{rank}"
-            return membership.worker(self._store, launch, rank)[1] if self._store.check([key]) else None
+            placed = has_key(self._store, f"{launch}/rank/{rank}")
+            return membership.worker(self._store, launch, rank)[1] if placed else None
         for agent in self.agents:
             with contextlib.suppress(psutil.Error):
                 for child in psutil.Process(agent.pid).children():

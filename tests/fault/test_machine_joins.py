@@ -20,6 +20,7 @@ import pytest
 from lightning_dlrover import worker_env
 from lightning_dlrover.cli.launch import parse
 from lightning_dlrover.fault.inplace import join, membership
+from lightning_dlrover.fault.inplace.store import PREFIX
 from lightning_dlrover.fault.inplace.supervisor import Supervisor, SupervisorConfig, serve_store
 from lightning_dlrover.monitor.events import read_events
 from tests.conftest import start
@@ -127,7 +128,7 @@ def test_a_machine_past_the_jobs_room_is_refused_and_its_launcher_stops(job, tmp
         assert join.offer(machine1) is None and machine1.capacity == 2
         (spare,) = machine1.offered
         assert join.admit(machine0, None) is None  # its process has not said it waits yet
-        machine0.store.add(membership.PREFIX + f"0/waiting/{spare}", 1)  # (what the process says once set up)
+        machine0.store.add(PREFIX + f"0/waiting/{spare}", 1)  # (what the process says once set up)
         assert join.admit(machine0, recovering=4) is None  # a recovery in progress: the join waits for it
         assert join.admit(machine0, None) is None and 1 in machine0.joined  # refused: no generation published
         assert join.taken(machine1) == join.CAPACITY
@@ -164,7 +165,7 @@ def test_a_joined_machine_leaves_when_the_job_restarts_every_worker(job, tmp_pat
     try:
         assert join.offer(machine1) is None
         (spare,) = machine1.offered
-        machine0.store.add(membership.PREFIX + f"0/waiting/{spare}", 1)
+        machine0.store.add(PREFIX + f"0/waiting/{spare}", 1)
         generation = join.admit(machine0, None)
         assert generation is not None and machine0.live_world == 2
         assert join.taken(machine1) is None  # its process took its rank

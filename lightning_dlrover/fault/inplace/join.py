@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from lightning_dlrover import worker_env
 from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.fault.inplace.spare import SETUP_ENV
+from lightning_dlrover.fault.inplace.store import PREFIX, get_key, has_key, set_key
 from lightning_dlrover.monitor.events import emit
 
 if TYPE_CHECKING:
@@ -58,16 +59,16 @@ def capacity(sup: Supervisor) -> int:
 
 def publish_capacity(store: Store, launch: int, ranks: int) -> None:
     """On machine 0: the job's world group's capacity, for the machines that join."""
-    membership._set(store, f"{launch}/capacity", str(ranks))
+    set_key(store, f"{launch}/capacity", str(ranks))
 
 
 def job_capacity(store: Store, launch: int, wait_s: float = 0.0) -> int | None:
     """The capacity machine 0 published for ``launch`` (waiting up to ``wait_s`` seconds for it), else ``None``."""
-    key = membership.PREFIX + f"{launch}/capacity"
+    key = f"{launch}/capacity"
     if wait_s:
         with contextlib.suppress(RuntimeError):  # (the store raises on a timeout)
-            store.wait([key], timedelta(seconds=wait_s))
-    return int(store.get(key).decode()) if store.check([key]) else None
+            store.wait([PREFIX + key], timedelta(seconds=wait_s))
+    return int(get_key(store, key)) if has_key(store, key) else None
 
 
 def current_launch(store: Store) -> int:
@@ -95,7 +96,7 @@ def offer(sup: Supervisor) -> str | None:
     workers = [sup.spawn(None, i, extra_env={SETUP_ENV: "early", "RANK": str(live + i), "LOCAL_RANK": str(i),
                                              "WORLD_SIZE": str(world)}) for i in range(a.nproc_per_node)]
     sup.offered = [w.spare for w in workers]
-    membership._set(sup.store, f"{sup.restarts}/join/{a.node_rank}", [w.spare for w in workers])
+    set_key(sup.store, f"{sup.restarts}/join/{a.node_rank}", [w.spare for w in workers])
     emit("join_offered", node=a.node_rank, spares=[w.spare for w in workers], pids=[w.process.pid for w in workers],
          message=f"machine {a.node_rank} offers {len(workers)} rank(s) to the running job: they set up, then join it "
                  "at a commit")
@@ -109,7 +110,7 @@ def refuse(sup: Supervisor, why: str, reason: str, node: int | None = None) -> s
     emit("join_refused", node=node, why=why, reason=reason, message=f"machine {node} does not join the job: {reason}")
     with contextlib.suppress(RuntimeError):  # (the store may be gone: then nobody waits for the word)
         if node != sup.args.node_rank:
-            membership._set(sup.store, f"{sup.restarts}/join_refused/{node}", json.dumps([why, reason]))
+            set_key(sup.store, f"{sup.restarts}/join_refused/{node}", json.dumps([why, reason]))
         else:  # this machine leaves: machine 0 does not wait for it at the end (nor takes its silence for a loss)
             membership.mark_done(sup.store, sup.restarts, node)
     return why
@@ -127,9 +128,9 @@ def taken(sup: Supervisor) -> str | None:
                               "left it; start this launcher again to join the new run")
         return None
     try:
-        refused = membership.PREFIX + f"{launch}/join_refused/{sup.args.node_rank}"
-        if store.check([refused]):
-            return refuse(sup, *json.loads(store.get(refused).decode()))
+        refused = f"{launch}/join_refused/{sup.args.node_rank}"
+        if has_key(store, refused):
+            return refuse(sup, *json.loads(get_key(store, refused)))
         if membership.is_done(store, launch, 0) or current_launch(store) != launch:
             return refuse(sup, JOB_ENDED, "the job finished, or restarted every worker at its launch size, before "
                           "this machine's ranks joined it: start this launcher again to join the new run")
@@ -137,8 +138,8 @@ def taken(sup: Supervisor) -> str | None:
             return refuse(sup, DIED, f"its processes {dead} that were to join ended before they joined")
         for worker in pending:
             key = f"{launch}/assign/{worker.spare}"
-            if store.check([membership.PREFIX + key]):
-                assignment = json.loads(membership._get(store, key))
+            if has_key(store, key):
+                assignment = json.loads(get_key(store, key))
                 worker.rank, generation = assignment["rank"], assignment["generation"]
                 membership.publish_worker(store, launch, worker.rank, socket.gethostname(), worker.process.pid)
     except RuntimeError as err:  # machine 0 and its store are gone
@@ -159,9 +160,9 @@ def admit(sup: Supervisor, recovering: int | None) -> int | None:
     store, launch = sup.store, sup.restarts
     for node in range(sup.args.nnodes, sup.args.max_nnodes):
         key = f"{launch}/join/{node}"
-        if node in sup.joined or not store.check([membership.PREFIX + key]):
+        if node in sup.joined or not has_key(store, key):
             continue
-        spares: list[int] = json.loads(membership._get(store, key))
+        spares: list[int] = json.loads(get_key(store, key))
         if not all(membership.is_waiting(store, launch, s) for s in spares):
             continue
         sup.joined.add(node)
@@ -186,7 +187,7 @@ def from_another_machine(store: Store, launch: int, plan: membership.Plan) -> bo
     """On a running rank, for a grow ``plan``: whether its ranks join from a machine that joins the job (their
     assignments give their machine's rank count), not from this machine's launcher."""
     spare = next(iter(plan.replacements.values()))
-    return json.loads(membership._get(store, f"{launch}/assign/{spare}")).get("local_world_size") is not None
+    return json.loads(get_key(store, f"{launch}/assign/{spare}")).get("local_world_size") is not None
 
 
 def room_env(sup: Supervisor) -> dict[str, str]:

@@ -37,6 +37,7 @@ from datetime import timedelta
 from torch.distributed import Store, TCPStore
 
 from lightning_dlrover import worker_env
+from lightning_dlrover.fault.inplace.store import PREFIX, get_key, has_key, set_key
 
 #: ``host:port`` of the launcher's store; set by ``lightning-dlrover launch`` (in-process recovery on).
 STORE_ENV = "LIGHTNING_DLROVER_STORE"
@@ -53,7 +54,6 @@ REPLACEMENT_TIMEOUT_ENV = "LIGHTNING_DLROVER_REPLACEMENT_TIMEOUT"
 #: Seconds the ranks of a launch wait for each other to start their process group (default 600): every rank
 #: imports torch, Lightning and TorchRec first, which on a loaded machine can take minutes.
 START_TIMEOUT_ENV = "LIGHTNING_DLROVER_START_TIMEOUT"
-PREFIX = "lightning_dlrover/"
 
 
 @dataclass(frozen=True)
@@ -131,14 +131,6 @@ def connect(address: str | None = None, timeout: float = 60.0) -> TCPStore:
     return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
-def _get(store: Store, key: str) -> str:
-    return store.get(PREFIX + key).decode()
-
-
-def _set(store: Store, key: str, value: object) -> None:
-    store.set(PREFIX + key, value if isinstance(value, str) else json.dumps(value))
-
-
 def wait_for_ranks(store: Store, launch: int, rank: int, world_size: int, timeout: float | None = None) -> None:
     """Marks ``rank`` of launch ``launch`` started in ``store`` (a process group's own) and waits until every one
     of the ``world_size`` ranks is (:func:`meet`)."""
@@ -170,7 +162,7 @@ def meet(store: Store, prefix: str, rank: int, world_size: int, timeout: float |
 def register_spare(store: Store, launch: int) -> int:
     """Adds a spare to launch ``launch``'s pool (called by the launcher that starts it); returns its index."""
     index = int(store.add(PREFIX + f"{launch}/spares", 1)) - 1
-    _set(store, f"{launch}/spare/{index}", socket.gethostname())
+    set_key(store, f"{launch}/spare/{index}", socket.gethostname())
     return index
 
 
@@ -210,18 +202,18 @@ def spares_waiting(store: Store, launch: int) -> int:
 
 def is_waiting(store: Store, launch: int, index: int) -> bool:
     """Whether spare ``index`` of launch ``launch`` reached its wait for a rank (its program set up: hot)."""
-    return store.check([PREFIX + f"{launch}/waiting/{index}"])
+    return has_key(store, f"{launch}/waiting/{index}")
 
 
 def publish_committed(store: Store, launch: int, generation: int, step: int) -> None:
     """A rank committed ``step``, its first in ``generation`` of launch ``launch`` (each rank says it once)."""
-    _set(store, f"{launch}/committed/{generation}", str(step))
+    set_key(store, f"{launch}/committed/{generation}", str(step))
 
 
 def committed(store: Store, launch: int, generation: int) -> int | None:
     """The first step committed in ``generation`` of launch ``launch``, ``None`` while none is."""
     key = f"{launch}/committed/{generation}"
-    return int(_get(store, key)) if store.check([PREFIX + key]) else None
+    return int(get_key(store, key)) if has_key(store, key) else None
 
 
 # ----------------------------------------------------------------------------------- recovery plans
@@ -234,9 +226,9 @@ def publish_plan(store: Store, launch: int, lost: list[int], world_size: int, sp
     now = time.time()
     for rank, spare in spares.items():
         slot = (local_ranks or {}).get(rank)
-        _set(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, world_size, generation, now, slot)))
+        set_key(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, world_size, generation, now, slot)))
     plan = Plan(generation, sorted(lost), dict(spares), now)
-    _set(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {str(k): v for k, v in spares.items()}})
+    set_key(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {str(k): v for k, v in spares.items()}})
     return plan
 
 
@@ -249,15 +241,15 @@ def publish_shrink_plan(store: Store, launch: int, lost: list[int], world_size: 
     (:func:`resize_requested`)."""
     generation = int(store.add(PREFIX + f"{launch}/generation", 1))
     plan = Plan(generation, sorted(lost), {}, time.time(), world_size - len(set(lost)), refused, asked=asked)
-    _set(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {}})
+    set_key(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {}})
     if asked:
-        _set(store, f"{launch}/resize/{generation}", str(plan.world_size))
+        set_key(store, f"{launch}/resize/{generation}", str(plan.world_size))
     return plan
 
 
 def ask_to_resize(store: Store, launch: int, generation: int, world_size: int) -> None:
     """Rank 0 of ``generation`` asks the launcher to shrink or grow the job to ``world_size`` ranks (:mod:`.retire`)."""
-    _set(store, f"{launch}/resize_asked/{generation}", str(world_size))
+    set_key(store, f"{launch}/resize_asked/{generation}", str(world_size))
 
 
 def resize_asked(store: Store, launch: int) -> tuple[int, int] | None:
@@ -265,7 +257,7 @@ def resize_asked(store: Store, launch: int) -> tuple[int, int] | None:
     (:func:`ask_to_resize`), else ``None`` (two look-ups)."""
     generation = int(store.add(PREFIX + f"{launch}/generation", 0))
     key = f"{launch}/resize_asked/{generation}"
-    return (generation, int(_get(store, key))) if store.check([PREFIX + key]) else None
+    return (generation, int(get_key(store, key))) if has_key(store, key) else None
 
 
 def publish_grow_plan(store: Store, launch: int, world_size: int, spares: dict[int, int],
@@ -278,17 +270,17 @@ def publish_grow_plan(store: Store, launch: int, world_size: int, spares: dict[i
     now, grown = time.time(), world_size + len(spares)
     for rank, spare in spares.items():
         slot = (local_ranks or {}).get(rank, rank)
-        _set(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, grown, generation, now, slot, local_world_size)))
+        set_key(store, f"{launch}/assign/{spare}", asdict(Assignment(rank, grown, generation, now, slot, local_world_size)))
     plan = Plan(generation, [], dict(spares), now, grown, grow=True)
-    _set(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {str(k): v for k, v in spares.items()}})
-    _set(store, f"{launch}/resize/{generation}", str(grown))
+    set_key(store, f"{launch}/plan/{generation}", {**asdict(plan), "replacements": {str(k): v for k, v in spares.items()}})
+    set_key(store, f"{launch}/resize/{generation}", str(grown))
     return plan
 
 
 def resize_requested(store: Store, launch: int, generation: int) -> bool:
     """Whether the launcher published a plan that resizes the ranks of ``generation`` (a grow, or a shrink they asked
     for) for them to run at their next commit (one look-up, made by rank 0 at each commit)."""
-    return store.check([PREFIX + f"{launch}/resize/{generation + 1}"])
+    return has_key(store, f"{launch}/resize/{generation + 1}")
 
 
 def wait_for_plan(store: Store, launch: int, generation: int, timeout: float | None = None) -> Plan | None:
@@ -308,12 +300,12 @@ def wait_for_plan(store: Store, launch: int, generation: int, timeout: float | N
 # ------------------------------------------------------------------------------------------ devices
 def publish_device(store: Store, launch: int, device_type: str) -> None:
     """The job's ranks run on ``device_type`` (written by the ranks when it is not the CPU)."""
-    _set(store, f"{launch}/device", device_type)
+    set_key(store, f"{launch}/device", device_type)
 
 
 def job_device(store: Store, launch: int) -> str:
     """The device type the job's ranks said they run on; ``"cpu"`` when none said (CPU ranks say nothing)."""
-    return _get(store, f"{launch}/device") if store.check([PREFIX + f"{launch}/device"]) else "cpu"
+    return get_key(store, f"{launch}/device") if has_key(store, f"{launch}/device") else "cpu"
 
 
 # ------------------------------------------------------------------------------------- sharding plan
@@ -330,7 +322,7 @@ def read_sharding_plan(store: Store, launch: int) -> object:
 # ------------------------------------------------------------------------------------ replacements
 def announce_ready(store: Store, launch: int, assignment: Assignment) -> None:
     """A replacement is about to connect generation ``assignment.generation`` of the world group."""
-    _set(store, f"{launch}/ready/{assignment.generation}/{assignment.rank}", str(os.getpid()))
+    set_key(store, f"{launch}/ready/{assignment.generation}/{assignment.rank}", str(os.getpid()))
 
 
 def wait_for_replacements(store: Store, launch: int, plan: Plan, timeout: float | None = None) -> bool:
@@ -360,12 +352,12 @@ def wait_for_fellow_replacements(launch: int, generation: int) -> None:
 # ------------------------------------------------------------------------------------------ workers
 def publish_worker(store: Store, launch: int, rank: int, host: str, pid: int) -> None:
     """Records which process holds ``rank`` (drills and operators read it)."""
-    _set(store, f"{launch}/rank/{rank}", f"{host}:{pid}")
+    set_key(store, f"{launch}/rank/{rank}", f"{host}:{pid}")
 
 
 def worker(store: Store, launch: int, rank: int) -> tuple[str, int]:
     """``(host, pid)`` of the process holding ``rank`` in launch ``launch``."""
-    host, _, pid = _get(store, f"{launch}/rank/{rank}").rpartition(":")
+    host, _, pid = get_key(store, f"{launch}/rank/{rank}").rpartition(":")
     return host, int(pid)
 
 
@@ -392,19 +384,19 @@ def beats(store: Store, launch: int, node: int) -> int:
 
 def publish_node_ranks(store: Store, launch: int, node: int, ranks: list[int]) -> None:
     """The ranks machine ``node``'s launcher holds now."""
-    _set(store, f"{launch}/node/{node}/ranks", sorted(ranks))
+    set_key(store, f"{launch}/node/{node}/ranks", sorted(ranks))
 
 
 def node_ranks(store: Store, launch: int, node: int) -> list[int]:
     """The ranks machine ``node`` held when it last said (``[]`` if it never did)."""
     key = f"{launch}/node/{node}/ranks"
-    return json.loads(_get(store, key)) if store.check([PREFIX + key]) else []
+    return json.loads(get_key(store, key)) if has_key(store, key) else []
 
 
 def mark_done(store: Store, launch: int, node: int) -> None:
     """Machine ``node``'s ranks all finished: its silence from now on is not a loss."""
-    _set(store, f"{launch}/node/{node}/done", "1")
+    set_key(store, f"{launch}/node/{node}/done", "1")
 
 
 def is_done(store: Store, launch: int, node: int) -> bool:
-    return store.check([PREFIX + f"{launch}/node/{node}/done"])
+    return has_key(store, f"{launch}/node/{node}/done")

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from lightning_dlrover.fault.inplace import membership
+from lightning_dlrover.fault.inplace.store import has_key, set_key
 from lightning_dlrover.worker_env import restart_count
 
 BACKEND = "dlrover_gloo"
@@ -270,14 +271,14 @@ def await_members(store: dist.Store, launch: int, generation: int, rank: int, wo
 def mark_started(store: dist.Store, launch: int, rank: int) -> None:
     """Tells the launcher (``store``: its store) that ``rank`` of launch ``launch`` reached its process group (see
     :func:`started`)."""
-    store.set(membership.PREFIX + f"{launch}/group_started/{rank}", str(os.getpid()))
+    set_key(store, f"{launch}/group_started/{rank}", str(os.getpid()))
 
 
 def started(store: dist.Store, launch: int, rank: int) -> bool:
     """Whether ``rank`` of launch ``launch`` reached its process group. A rank lost before then is started again as
     that rank (the others wait for it in their own start), not replaced by a joining process (they would never
     connect the generation it joins)."""
-    return store.check([membership.PREFIX + f"{launch}/group_started/{rank}"])
+    return has_key(store, f"{launch}/group_started/{rank}")
 
 
 def _local_reduce(tensors: list[torch.Tensor], op: dist.ReduceOp, world_size: int) -> list[torch.Tensor]:
