@@ -49,10 +49,10 @@ def test_the_survivors_of_a_shrink_grow_back_to_the_launch_size_in_their_own_pro
     watcher = threading.Thread(target=lambda: killed.extend(kill_the_first_grow_spare(tmp_path / "grow" / "events.jsonl",
                                                                                        stop)))
     watcher.start()
-    try:  # the job sleeps 0.5 s a step while it runs short: 50 steps for the new process to set up on a loaded machine
+    try:  # the job sleeps 1 s a step while it runs short: 50 s for the new process to set up on a loaded machine
         digest, events, output = launch(tmp_path, "grow", "--spares", "0", "--no-cold-start", "--regrow", nproc=3,
                                         fault="rank=0,step=6,phase=before_forward", steps=56,
-                                        script_args=("--slow-while-short", "0.5"),
+                                        script_args=("--slow-while-short", "1.0"),
                                         env={"LIGHTNING_DLROVER_VERIFY_RESIZE": "1"})
     finally:
         stop.set()
@@ -214,8 +214,8 @@ def test_chaos_drills_a_shrink_and_a_grow_back_in_process_with_our_dlrm(tmp_path
     """``chaos --in-process --shrink --regrow`` on the chaos DLRM (``lightning-dlrover fit``, its data module): rank 0
     killed before step 6 with no spare, the survivors shrink to 2 ranks, a new process joins as rank 2; the report
     says both happened, nothing was lost, and the state after the grow equals the committed state before it."""
-    # the shrunk job sleeps 0.3 s a step until the new process joined: it lasts for the set-up however fast its steps
-    slow = '{"class_path": "tests.elastic.elastic_job.SlowWhileShort", "init_args": {"seconds": 0.3, "world_size": 3}}'
+    # the shrunk job sleeps 1 s a step until the new process joined: it lasts for the set-up however fast its steps
+    slow = '{"class_path": "tests.elastic.elastic_job.SlowWhileShort", "init_args": {"seconds": 1.0, "world_size": 3}}'
     summary = drill(str(tmp_path), "--in-process", "--shrink", "--regrow", "--nodes", "1", "--nproc-per-node", "3",
                     "--kill-rank", "0", "--at-step", "6", "--", "--trainer.max_steps=40", f"--trainer.callbacks+={slow}")
     assert summary["recovered"].startswith("yes, shrunk in process from 3 to 2 ranks"), summary

@@ -45,10 +45,11 @@ def test_a_machine_started_later_joins_the_running_job_in_process_and_its_lost_r
     address = f"127.0.0.1:{free_port()}"
     launcher = [sys.executable, "-m", "lightning_dlrover", "launch", "--max-nnodes", "2", "--master", address,
                 "--run-id", "joined", "--spares", "0"]
-    # 3 s a step while short: the job outlasts the new machine's set-up (imports and all) on a loaded machine; 0.3 s
-    # after: the kill lands before the end
+    # 3 s a step while short: the job outlasts the new machine's set-up (imports and all) on a loaded machine; 1 s
+    # after, until the test killed the joined rank: the kill lands before the end
+    killed = tmp_path / "killed"
     program = ["--", SCRIPT, "--steps", "24", "--root", str(tmp_path), "--slow-while-short", "3",
-               "--slow-until-world", "3", "--slow-after", "0.3"]
+               "--slow-until-world", "3", "--slow-after", "1", "--slow-after-until", str(killed)]
     machine0 = start([*launcher, "--nproc-per-node", "2", *program], tmp_path, env)
     machine1 = None
     try:
@@ -62,6 +63,7 @@ def test_a_machine_started_later_joins_the_running_job_in_process_and_its_lost_r
             assert time.monotonic() < deadline and machine0.poll() is None, "machine 1's rank never joined"
             time.sleep(0.1)
         os.kill(joined.pid, signal.SIGKILL)
+        killed.touch()
         out0, _ = machine0.communicate(timeout=400)
         out1, _ = machine1.communicate(timeout=60)
     finally:

@@ -83,10 +83,10 @@ def test_more_losses_than_parity_fall_back_to_the_last_checkpoint(workdir, repla
 
 
 def test_shrink_onto_the_survivors_then_grow_when_a_node_rejoins(workdir):
-    # The shrunk job sleeps 0.3 s a step until the node has rejoined (its agent and ranks start: seconds), so it lasts
+    # The shrunk job sleeps 1 s a step until the node has rejoined (its agent and ranks start: seconds), so it lasts
     # for the rejoin however fast its steps (the grown job resumed at step 14 on a quiet machine).
     # Only the restored state is checked against the fault-free run (the world size changes): it stops after step 6.
-    slow = '{"class_path": "tests.elastic.elastic_job.SlowWhileShort", "init_args": {"seconds": 0.3, "world_size": 4}}'
+    slow = '{"class_path": "tests.elastic.elastic_job.SlowWhileShort", "init_args": {"seconds": 1.0, "world_size": 4}}'
     summary = drill(workdir, "--kill-node", "1", "--at-step", "6", "--rejoin-after", "2", "--reference-steps", "6",
                     "--trainer.max_steps=40", f"--trainer.callbacks+={slow}")
     shrink, grow = summary["recovered"].splitlines()

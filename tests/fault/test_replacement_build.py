@@ -61,7 +61,7 @@ def _metadata(module) -> dict:
 
 
 def _worker(rank: int, path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2, timeout=timedelta(seconds=20))
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2, timeout=timedelta(seconds=300))
     gathered = _metadata(_shard(bag=False))  # both ranks: the gather
     if rank == 1:  # alone: rank 0 waits in the barrier below, a collective here would not be answered
         with torchrec_glue.shard_metadata_from_plan():

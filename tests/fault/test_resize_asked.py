@@ -77,7 +77,7 @@ def test_a_job_grows_past_its_launch_size_when_it_asks(tmp_path):
     at a commit boundary, while ranks 0 and 1 grow in their own processes with the state the job committed."""
     digest, events, output = launch(tmp_path, "grown", "--spares", "0", "--max-nproc-per-node", "3", nproc=2, steps=24,
                                     env=VERIFY, script_args=("--resize-at", "4:4", "--resize-at", "6:3",
-                                                             "--slow-while-short", "0.5"))
+                                                             "--slow-while-short", "1.5"))
     kinds = [e.kind for e in events]
     assert not {"restarting_all", "in_process_refused", "grow_abandoned", "grow_failed"} & set(kinds), output[-4000:]
     beyond = re.findall(r"rank (\d): no resize: the job may grow to 3 ranks at most \(launch --max-nproc-per-node",

@@ -4,6 +4,7 @@ whose imports a loaded machine slowed down used to fail the others' start with a
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -55,5 +56,7 @@ def test_a_rank_that_never_starts_is_named(tmp_path):
     procs = start_ranks(tmp_path, [0], late=0, env={membership.START_TIMEOUT_ENV: "3"})
     out = procs[0].communicate(timeout=120)[0]
     assert procs[0].returncode != 0
-    assert "rank 0: ranks [1] of 2 did not start their process group within 3 s" in out, out[-3000:]
+    # the measured wait: the 3 s timeout plus what a loaded machine adds to the store's round trips
+    waited = re.findall(r"rank 0: ranks \[1\] of 2 did not start their process group within (\d+) s", out)
+    assert waited and 3 <= int(waited[0]) <= 30, out[-3000:]
     assert f"raise ${membership.START_TIMEOUT_ENV} (now 3 s)" in out

@@ -185,14 +185,18 @@ class UserModel(pl.LightningModule):
 
 class SlowWhileShort(pl.Callback):
     """Sleeps ``seconds`` per step while the job runs below the world size it was launched with, or ``until`` ranks (a
-    job that lasts long enough for a grow in process to land on a loaded machine)."""
+    job that lasts long enough for a grow in process to land on a loaded machine); ``always`` seconds per step after,
+    until the file ``hold`` exists when one is named (the test's next move lands before the job ends)."""
 
-    def __init__(self, seconds: float, until: int = 0, always: float = 0.0) -> None:
+    def __init__(self, seconds: float, until: int = 0, always: float = 0.0, hold: str | None = None) -> None:
         self.seconds, self.launched = seconds, until or int(os.environ.get("WORLD_SIZE", "1"))
-        self.always = always
+        self.always, self.hold = always, hold
 
     def on_train_batch_start(self, trainer, *args) -> None:
-        time.sleep(self.seconds if trainer.world_size < self.launched else self.always)
+        if trainer.world_size < self.launched:
+            time.sleep(self.seconds)
+        elif not (self.hold and os.path.exists(self.hold)):
+            time.sleep(self.always)
 
 
 class ReplanAt(pl.Callback):
@@ -255,6 +259,8 @@ def main() -> None:
                         help="with --slow-while-short: sleep while the job runs below N ranks (a machine that joins)")
     parser.add_argument("--slow-after", type=float, default=0.0, metavar="S",
                         help="with --slow-while-short: sleep S seconds per step once the job is no longer short")
+    parser.add_argument("--slow-after-until", default=None, metavar="FILE",
+                        help="with --slow-after: sleep only until FILE exists")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--async-ckpt", nargs="?", const=True, default=False, choices=[True, "precopy"],
                         help="DLRoverStrategy(async_checkpoint=True), or ='precopy'")
@@ -267,7 +273,7 @@ def main() -> None:
     parity = None if args.parity == "none" else "auto" if args.parity == "auto" else ParityConfig.parse(args.parity)
     callbacks = []
     if args.slow_while_short:
-        callbacks.append(SlowWhileShort(args.slow_while_short, args.slow_until_world, args.slow_after))
+        callbacks.append(SlowWhileShort(args.slow_while_short, args.slow_until_world, args.slow_after, args.slow_after_until))
     if args.advisor or args.advisor_ranks:  # the advisor applies what it finds
         # --advisor-ranks: the cost objective over that many ranks only (one cheaper candidate: fewer ranks, whatever
         # the timings), as a job on a machine with fewer free cores than ranks would be advised

@@ -51,7 +51,7 @@ def test_slow_background_write_holds_its_step_and_the_next_save_waits(tmp_path, 
     run ends with the digest of a run with blocking checkpoints."""
     ckpt = tmp_path / "ckpt"
     out = run(forked(TRAIN_SCRIPT, "--steps", "16", "--ckpt-dir", ckpt, "--ckpt-every", "4", "--digest-every", "4",
-               "--async-ckpt"), tmp_path, env={WRITE_HOOK_ENV: "sleep=4,step=8"}).stdout
+               "--async-ckpt"), tmp_path, env={WRITE_HOOK_ENV: "sleep=8,step=8"}).stdout
     assert digests(out) == straight, "asynchronous saves change nothing in training"
     assert names(ckpt) == [f"epoch=0-step={s}.ckpt" for s in (12, 16, 4, 8)], "every save committed, none partial"
     events = read_events([tmp_path / "dlrover_events.jsonl"])
