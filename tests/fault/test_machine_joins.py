@@ -176,6 +176,10 @@ def test_a_joined_machine_leaves_when_the_job_restarts_every_worker(job, tmp_pat
         assert join.taken(machine1) is None  # a member of the job
         membership.heartbeat(machine0.store, 1, 0)  # machine 0's launcher in its next launch
         assert join.taken(machine1) == join.JOB_ENDED
+        machine0.stop(grace=0.0)  # machine 0's full restart, as run() does it: machine 1 is not waited for at the end
+        machine0.restarts += 1
+        machine0.start()
+        assert machine0.others_finished()
     finally:
         machine1.stop()
     (refused,) = [e for e in read_events([tmp_path / "events.jsonl"]) if e.kind == "join_refused"]

@@ -173,7 +173,7 @@ class Supervisor:
         for local in range(a.nproc_per_node):
             self.spawn(first + local, local)
         self._owed, self._gate, self.live_world = a.spares, 0, self.world_size  # spares: after the first commit
-        self.asked_answered, self.regrow = (-1, 0), Regrow()  # (a full restart starts at the launch size)
+        self.asked_answered, self.regrow, self.joined = (-1, 0), Regrow(), set()  # (a full restart: the launch's size)
         self.publish_ranks()
 
     def start_spares(self) -> None:
