@@ -91,20 +91,35 @@ def prepare_inner_ddp_for_backward(model: nn.Module, loss: Tensor) -> None:
 def rerun_fit_loop(trainer: pl.Trainer, recover: Callable[[BaseException], bool],
                    before_first_run: Callable[[], None] | None = None) -> None:
     """Makes the fit loop run again, inside the same ``fit``, after ``recover(error)`` restored a committed state
-    following a failure (``False``: the error propagates as before). ``before_first_run()`` runs once, first."""
+    following a failure (``False``: the error propagates as before). ``before_first_run()`` runs once, first.
+
+    An error raised by ``recover`` itself (or by ``before_first_run``) is recovered from like one raised by a step: a
+    peer lost while the ranks run a recovery's last collectives (e.g. the digest check after a grow) is one more loss.
+    """
     loop = trainer.fit_loop
     original = loop.run
     pending = [before_first_run] if before_first_run is not None else []
 
-    def run() -> None:
-        while pending:
-            pending.pop()()
+    def recovered(error: Exception) -> None:
         while True:
             try:
+                if recover(error):
+                    return
+            except Exception as again:
+                if again is error:
+                    raise
+                error = again
+                continue
+            raise error
+
+    def run() -> None:
+        while True:
+            try:
+                while pending:
+                    pending.pop()()
                 return original()
             except Exception as error:
-                if not recover(error):
-                    raise
+                recovered(error)
 
     loop.run = run
 
