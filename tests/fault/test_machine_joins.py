@@ -33,7 +33,7 @@ def grown_rank(events, rank: int):
     return next((e for e in found if e.kind == "grown_in_process" and e.rank == rank), None)
 
 
-def verified(events) -> bool:
+def check_reported(events) -> bool:
     """Whether rank 0 reported the state check after the grow (``resize_verified``)."""
     return any(e.kind == "resize_verified" for e in read_events([events]))
 
@@ -66,7 +66,7 @@ def test_a_machine_started_later_joins_the_running_job_in_process_and_its_lost_r
         machine1 = start([*launcher, "--node-rank", "1", "--nproc-per-node", "1", *program], tmp_path, env)
         # the kill comes once rank 0 reported the check of the grown state: a loss during that check is recovered
         # from as well (the repeated recovery of tests/strategy/test_rerun_fit_loop.py), but is then never reported
-        while (joined := grown_rank(events, 2)) is None or not verified(events):
+        while (joined := grown_rank(events, 2)) is None or not check_reported(events):
             assert time.monotonic() < deadline and machine0.poll() is None, "machine 1's rank never joined"
             time.sleep(0.1)
         os.kill(joined.pid, signal.SIGKILL)
