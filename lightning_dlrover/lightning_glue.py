@@ -108,9 +108,9 @@ def rerun_fit_loop(trainer: pl.Trainer, recover: Callable[[BaseException], bool]
             except Exception as again:
                 if again is error:
                     raise
-                error = again
-                continue
-            raise error
+                error = again  # a failure of the recovery itself: recover from that one
+            else:
+                raise error
 
     def run() -> None:
         while True:

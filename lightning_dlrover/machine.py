@@ -12,9 +12,10 @@ from pathlib import Path
 
 import psutil
 
-#: cgroup v2 CPU quota file (``"<quota> <period>"`` or ``"max <period>"``), then the v1 pair.
+#: Where the cgroup files are read: v2 ``cpu.max`` (``"<quota> <period>"`` or ``"max <period>"``) and ``memory.max``,
+#: else v1 ``cpu/cpu.cfs_quota_us`` + ``cpu/cpu.cfs_period_us`` and ``memory/memory.limit_in_bytes``.
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-_NO_LIMIT = 1 << 60
+_NO_LIMIT = 1 << 60  # a v1 memory limit this large means none
 
 
 def affinity_cores() -> int:

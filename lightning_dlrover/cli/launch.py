@@ -40,9 +40,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from lightning_dlrover.machine import memory_limit_bytes
 from lightning_dlrover.fault.inplace import membership
 from lightning_dlrover.fault.inplace.supervisor import Supervisor, SupervisorConfig, serve_store
+from lightning_dlrover.machine import memory_limit_bytes
 
 #: ``1``: ``--no-zygote`` (for launches started by another command, e.g. ``chaos --in-process``).
 NO_ZYGOTE_ENV = "LIGHTNING_DLROVER_NO_ZYGOTE"

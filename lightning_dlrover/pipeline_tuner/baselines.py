@@ -19,8 +19,8 @@ from collections.abc import Iterable
 import psutil
 
 from lightning_dlrover.data.staged import STAGES, PipelineConfig
-from lightning_dlrover.pipeline_tuner.agent import Decision, shrink
 from lightning_dlrover.machine import available_cores
+from lightning_dlrover.pipeline_tuner.agent import Decision, shrink
 from lightning_dlrover.pipeline_tuner.observe import Budget, MemoryGuard, Observation
 
 

@@ -110,7 +110,7 @@ def refuse(sup: Supervisor, why: str, reason: str, node: int | None = None) -> s
     emit("join_refused", node=node, why=why, reason=reason, message=f"machine {node} does not join the job: {reason}")
     with contextlib.suppress(RuntimeError):  # (the store may be gone: then nobody waits for the word)
         if node != sup.args.node_rank:
-            set_key(sup.store, f"{sup.restarts}/join_refused/{node}", json.dumps([why, reason]))
+            set_key(sup.store, f"{sup.restarts}/join_refused/{node}", [why, reason])
         else:  # this machine leaves: machine 0 does not wait for it at the end (nor takes its silence for a loss)
             membership.mark_done(sup.store, sup.restarts, node)
     return why
